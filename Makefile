@@ -1,0 +1,29 @@
+# The README's commands. Everything a fresh Debian machine (Python 3.11, root) needs is set up here.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench install clean
+
+install: $(STAMP)
+
+# torch is pinned to the CPU wheel that lies on this machine kind's disk; any other spec
+# pulls a multi-GB CUDA build. pyproject.toml allows a range for users elsewhere.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,examples]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/digits/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) runs

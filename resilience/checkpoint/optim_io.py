@@ -1,0 +1,98 @@
+"""Optimizer state via ``torch.distributed.checkpoint`` (DCP) under ``optim/``.
+
+DCP stores non-tensor leaves by pickling them, and loads them with ``weights_only=False``; so
+only tensors go to DCP, and everything else (param groups, Python scalars, tensor shapes and
+dtypes needed to pre-allocate the load targets) goes to ``optim/skeleton.json``. This module is
+the one place that talks to DCP.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+OPTIM_DIR = "optim"
+SKELETON = f"{OPTIM_DIR}/skeleton.json"
+LR_SCHEDULER = f"{OPTIM_DIR}/lr_scheduler.json"
+
+
+def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors keyed ``state.<fqn>.<name>`` for DCP, and a JSON skeleton of everything."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton: dict[str, Any] = {"param_groups": state["param_groups"], "state": {}}
+    for fqn, entries in state["state"].items():
+        skel = skeleton["state"][fqn] = {}
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                key = f"state.{fqn}.{name}"
+                tensors[key] = value
+                skel[name] = {"tensor": key, "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+            else:
+                skel[name] = {"value": value}
+    return tensors, skeleton
+
+
+def save_optimizer(staging: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, group: Any) -> list[str]:
+    """Write the optimizer state (collective over ``group``: every rank must call it).
+
+    Returns the relative paths this rank wrote. DCP fsyncs its own files (``sync_files``).
+    """
+    state = get_optimizer_state_dict(model, optimizer)
+    tensors, skeleton = _split(state)
+    target = staging / OPTIM_DIR
+    target.mkdir(exist_ok=True)
+    writer = dcp.FileSystemWriter(str(target), sync_files=True, single_file_per_rank=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        dcp.save(tensors, storage_writer=writer, process_group=group)
+    written = [f"{OPTIM_DIR}/{p.name}" for p in target.glob(f"__{rank}_*.distcp")]
+    if rank == 0:
+        (staging / SKELETON).write_text(json.dumps(skeleton))
+        written += [f"{OPTIM_DIR}/.metadata", SKELETON]
+    return written
+
+
+def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group: Any) -> None:
+    """Restore the optimizer state in place (collective over ``group``)."""
+    skeleton = json.loads((directory / SKELETON).read_text())
+    tensors = {}
+    state: dict[str, Any] = {}
+    for fqn, entries in skeleton["state"].items():
+        state[fqn] = {}
+        for name, spec in entries.items():
+            if "tensor" in spec:
+                tensors[spec["tensor"]] = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+            else:
+                state[fqn][name] = spec["value"]
+    reader = dcp.FileSystemReader(str(directory / OPTIM_DIR))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(tensors, storage_reader=reader, process_group=group)
+    for fqn, entries in skeleton["state"].items():
+        for name, spec in entries.items():
+            if "tensor" in spec:
+                state[fqn][name] = tensors[spec["tensor"]]
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": skeleton["param_groups"]})
+
+
+def save_lr_scheduler(staging: Path, scheduler: Any) -> list[str]:
+    """Write an LR scheduler's ``state_dict()`` as JSON (functions in it are dropped by torch)."""
+    state = scheduler.state_dict()
+    try:
+        text = json.dumps(state)
+    except TypeError as exc:
+        raise TypeError(f"lr_scheduler.state_dict() must be JSON-serialisable to be checkpointed: {exc}") from exc
+    (staging / OPTIM_DIR).mkdir(exist_ok=True)
+    (staging / LR_SCHEDULER).write_text(text)
+    return [LR_SCHEDULER]
+
+
+def load_lr_scheduler(directory: Path, scheduler: Any) -> None:
+    """Restore an LR scheduler from :func:`save_lr_scheduler`'s JSON."""
+    scheduler.load_state_dict(json.loads((directory / LR_SCHEDULER).read_text()))

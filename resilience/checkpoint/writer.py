@@ -1,0 +1,154 @@
+"""The save path, top to bottom: stage, write + fsync on every rank, manifest, rename, ``LATEST``.
+
+1. Rank 0 creates ``.staging_<name>/`` (a leftover from a crash is removed first).
+2. Every rank runs its parts (model, optimizer, RNG, data position, ...), fsyncs and hashes
+   every file it wrote. Collective parts (DCP) run on every rank even after a local failure,
+   so no peer is left waiting in them.
+3. The file lists and errors are all-gathered: one failure anywhere raises on every rank.
+4. Rank 0 writes ``manifest.json`` last, fsyncs every directory, renames the staging directory
+   into place, fsyncs the root, and only then swaps ``LATEST``. Its success or failure is
+   all-gathered too.
+
+A failure at any point leaves the previous checkpoint and ``LATEST`` untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from resilience.checkpoint.durable import FileRecord, fsync_dir, fsync_file, record
+from resilience.checkpoint.layout import LATEST, STAGING_PREFIX, TRASH_PREFIX
+from resilience.checkpoint.manifest import write_manifest
+from resilience.checkpoint.pointers import write_pointer
+from resilience.distributed import DistContext
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on at least one rank. Raised on every rank; ``LATEST`` was not moved."""
+
+
+@dataclasses.dataclass
+class Part:
+    """One piece of a checkpoint: ``write(staging_dir) -> [relative paths written]``.
+
+    ``collective`` parts (DCP) must run on every rank in the same order.
+    """
+
+    name: str
+    write: Callable[[Path], list[str]]
+    collective: bool = False
+
+
+# A test hook: called with the phase name before each filesystem step of the save
+# ("staging", "parts", "manifest", "rename", "pointer"). Fault tests use it to fail one step on
+# one rank; it is None in normal runs.
+fault_hook: Callable[[str], None] | None = None
+
+
+def _phase(name: str) -> None:
+    if fault_hook is not None:
+        fault_hook(name)
+
+
+def _raise_if_any(ctx: DistContext, error: str | None, what: str, name: str) -> None:
+    errors = ctx.all_gather_object(error)
+    failed = {rank: err for rank, err in enumerate(errors) if err}
+    if failed:
+        detail = "; ".join(f"rank {rank}: {err}" for rank, err in failed.items())
+        raise CheckpointSaveError(f"saving checkpoint {name} failed while {what} ({detail}); LATEST was not moved")
+
+
+def _describe(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def save_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part], meta: dict[str, Any]) -> Path:
+    """Write and publish checkpoint ``root/name``; a collective over ``ctx`` (every rank calls it).
+
+    Returns the published directory. Raises :class:`CheckpointSaveError` on every rank when any
+    rank fails at any step; the previous checkpoint and ``LATEST`` are then left as they were.
+    """
+    staging = root / f"{STAGING_PREFIX}{name}"
+    final = root / name
+
+    # 1. staging directory (rank 0)
+    error = None
+    if ctx.rank == 0:
+        try:
+            _phase("staging")
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+        except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
+            error = _describe(exc)
+    _raise_if_any(ctx, error, "creating the staging directory", name)
+
+    # 2. every rank writes its parts, fsyncs and hashes them
+    records: list[FileRecord] = []
+    error = None
+    for part in parts:
+        if error is not None and not part.collective:
+            continue
+        try:
+            _phase("parts")
+            for rel in part.write(staging):
+                fsync_file(staging / rel)
+                records.append(record(staging, rel))
+        except Exception as exc:  # noqa: BLE001
+            error = error or f"{part.name}: {_describe(exc)}"
+    gathered = ctx.all_gather_object((records, error))
+    failed = {rank: err for rank, (_, err) in enumerate(gathered) if err}
+    if failed:
+        if ctx.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        detail = "; ".join(f"rank {rank}: {err}" for rank, err in failed.items())
+        raise CheckpointSaveError(f"saving checkpoint {name} failed while writing files ({detail}); LATEST was not moved")
+
+    # 3. publish (rank 0): manifest last, fsync directories, rename, fsync root, then LATEST
+    error = None
+    if ctx.rank == 0:
+        try:
+            _phase("manifest")
+            all_records = [rec for recs, _ in gathered for rec in recs]
+            write_manifest(staging, all_records, meta)
+            for dirpath, _, _ in os.walk(staging):
+                fsync_dir(Path(dirpath))
+            _phase("rename")
+            _rename_into_place(root, staging, final)
+            _phase("pointer")
+            write_pointer(root, LATEST, final)
+        except Exception as exc:  # noqa: BLE001
+            error = _describe(exc)
+    _raise_if_any(ctx, error, "publishing", name)
+    return final
+
+
+def _rename_into_place(root: Path, staging: Path, final: Path) -> None:
+    """Rename ``staging`` to ``final``; an existing ``final`` (a re-save of the same step) is
+    moved aside first and deleted only after the new one is in place."""
+    trash = None
+    if final.exists():
+        trash = root / f"{TRASH_PREFIX}{final.name}"
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.rename(final, trash)
+    os.rename(staging, final)
+    fsync_dir(root)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_leftovers(root: Path) -> list[Path]:
+    """Delete staging and trash directories left by a crashed save (rank 0, at start-up)."""
+    removed = []
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith((STAGING_PREFIX, TRASH_PREFIX)) and child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+    return removed

@@ -1,0 +1,213 @@
+"""Configuration: ``kw_only`` dataclasses, YAML loading, dotted overrides, validation.
+
+Section and key names follow NeMo AutoModel's YAML (``step_scheduler:``, ``checkpoint:``) so a
+recipe written for it reads the same here. Sections this module does not know are the user's
+(model, optimizer, data, ...) and are returned untouched in :attr:`ResilienceConfig.extra`;
+a top-level name that is *close* to one of ours (``checkpont``) is an error, not a user section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from resilience.signals import DEFAULT_PREEMPTION_SIGNAL, parse_preemption_signal
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names the key and what is accepted."""
+
+
+def _check_int(key: str, value: Any, *, minimum: int | None = None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        accepted = "an integer" + (" or null" if allow_none else "")
+        raise ConfigError(f"{key}: expected {accepted}, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key}: must be >= {minimum}, got {value}")
+
+
+def _check_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r} ({type(value).__name__})")
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepSchedulerConfig:
+    """When to step, stop and save. YAML section ``step_scheduler`` (NeMo AutoModel names)."""
+
+    num_epochs: int = 1
+    """Epochs to train (default 1). Training ends at ``num_epochs`` or ``max_steps``, whichever first."""
+    max_steps: int | None = None
+    """Optimizer steps to train in total, or null for no step limit (default null)."""
+    ckpt_every_steps: int | None = None
+    """Save every N global steps (default null: save only at the end and on preemption)."""
+    preemption_signal: Any = DEFAULT_PREEMPTION_SIGNAL
+    """Signal(s) that request a stop-and-save: a name, a number, a list, or null (default SIGTERM)."""
+    agreement_every_steps: int = 1
+    """Cadence, in steps, of the non-blocking cross-rank stop agreement (default 1). A signal stops
+    every rank within 2 x this many steps; larger values make the per-step cost smaller."""
+
+    def __post_init__(self) -> None:
+        _check_int("step_scheduler.num_epochs", self.num_epochs, minimum=1)
+        _check_int("step_scheduler.max_steps", self.max_steps, minimum=1, allow_none=True)
+        _check_int("step_scheduler.ckpt_every_steps", self.ckpt_every_steps, minimum=1, allow_none=True)
+        _check_int("step_scheduler.agreement_every_steps", self.agreement_every_steps, minimum=1)
+        # Parsed now so a bad spec fails at config time, before any training.
+        self.signals = parse_preemption_signal(self.preemption_signal, key="step_scheduler.preemption_signal")
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where and how checkpoints are written. YAML section ``checkpoint`` (NeMo AutoModel names)."""
+
+    enabled: bool = True
+    """Write and resume checkpoints (default true). When false, preemption still stops cleanly."""
+    checkpoint_dir: str = "checkpoints/"
+    """Root directory holding ``epoch_<E>_step_<S>/`` checkpoints and the ``LATEST`` pointer."""
+    restore_from: str | None = None
+    """A checkpoint directory (absolute, or a name under ``checkpoint_dir``) to resume from instead of
+    ``LATEST``. It must exist and be valid: a missing one is an error, never a fresh start."""
+    resume: bool = True
+    """Resume automatically from ``LATEST`` when it exists (default true)."""
+    model_save_format: str = "safetensors"
+    """Model weights format. Only ``safetensors`` for now."""
+
+    def __post_init__(self) -> None:
+        _check_bool("checkpoint.enabled", self.enabled)
+        _check_bool("checkpoint.resume", self.resume)
+        if not isinstance(self.checkpoint_dir, (str, os.PathLike)) or not str(self.checkpoint_dir).strip():
+            raise ConfigError(f"checkpoint.checkpoint_dir: expected a non-empty path, got {self.checkpoint_dir!r}")
+        self.checkpoint_dir = str(self.checkpoint_dir)
+        if self.restore_from is not None and not isinstance(self.restore_from, (str, os.PathLike)):
+            raise ConfigError(f"checkpoint.restore_from: expected a path or null, got {self.restore_from!r}")
+        if self.model_save_format not in ("safetensors",):
+            raise ConfigError(
+                f"checkpoint.model_save_format: expected 'safetensors', got {self.model_save_format!r}"
+            )
+
+
+_SECTIONS: dict[str, type] = {
+    "step_scheduler": StepSchedulerConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+@dataclasses.dataclass(kw_only=True)
+class ResilienceConfig:
+    """The whole configuration: our sections plus the user's own sections in ``extra``."""
+
+    step_scheduler: StepSchedulerConfig = dataclasses.field(default_factory=StepSchedulerConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Top-level sections that are not ours (model, optimizer, data, ...), as plain YAML data."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as plain YAML-able data (what ``config.yaml`` in a checkpoint holds)."""
+        out: dict[str, Any] = {}
+        for name in _SECTIONS:
+            section = dataclasses.asdict(getattr(self, name))
+            if name == "step_scheduler" and isinstance(section["preemption_signal"], (list, tuple)):
+                section["preemption_signal"] = [_yamlable(s) for s in section["preemption_signal"]]
+            else:
+                section = {k: _yamlable(v) for k, v in section.items()}
+            out[name] = section
+        out.update(self.extra)
+        return out
+
+
+def _yamlable(value: Any) -> Any:
+    if hasattr(value, "name") and isinstance(value, int):  # signal.Signals
+        return value.name
+    return value
+
+
+def _suggest(key: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else f"; accepted keys: {', '.join(sorted(known))}"
+
+
+def _build_section(name: str, cls: type, raw: Any) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{name}: expected a mapping of keys, got {type(raw).__name__}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{name}.{key}: unknown key{_suggest(str(key), known)}")
+    return cls(**raw)
+
+
+def config_from_dict(data: Mapping[str, Any] | None) -> ResilienceConfig:
+    """Validate plain data (parsed YAML) into a :class:`ResilienceConfig`.
+
+    Raises:
+        ConfigError: an unknown key inside one of our sections (with the closest known key), a
+            top-level name close to one of ours, or a value of the wrong type or range.
+    """
+    data = dict(data or {})
+    sections = {}
+    extra = {}
+    for key, value in data.items():
+        if key in _SECTIONS:
+            sections[key] = _build_section(key, _SECTIONS[key], value)
+        elif difflib.get_close_matches(str(key), list(_SECTIONS), n=1, cutoff=0.75):
+            raise ConfigError(f"{key}: unknown section{_suggest(str(key), list(_SECTIONS))}")
+        else:
+            extra[key] = value
+    return ResilienceConfig(**sections, extra=extra)
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply dotted ``section.key=value`` overrides (values parsed as YAML) to ``data`` in place.
+
+    Raises:
+        ConfigError: an override without ``=`` or with an empty key.
+    """
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. checkpoint.checkpoint_dir=/tmp/ck")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> ResilienceConfig:
+    """Read a YAML file (or nothing), apply dotted overrides, and validate.
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML, a top level that is not a mapping, or any
+            invalid key/value (see :func:`config_from_dict`).
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: cannot read it ({exc.strerror or exc})") from exc
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path}: invalid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping of sections")
+        data = loaded or {}
+    apply_overrides(data, overrides)
+    return config_from_dict(data)

@@ -1,0 +1,70 @@
+"""The run's distributed context: rank, world size, and one dedicated gloo group.
+
+All of our own collectives (stop agreement, checkpoint success/failure, file lists) go over a
+gloo group of their own, so they work when training uses NCCL and never interleave with the
+training's collectives on the default group. Without an initialised default process group the
+context is local (rank 0 of 1) and every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class DistContext:
+    """Rank, world size and our gloo group (``None`` when local)."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+
+    @classmethod
+    def from_env(cls) -> "DistContext":
+        """Describe the current process. When torch.distributed is initialised this creates a new
+        gloo group, which is a collective: every rank must call it, in the same order."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls()
+        group = dist.new_group(backend="gloo")
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), group=group)
+
+    @property
+    def distributed(self) -> bool:
+        """True when there is more than one rank."""
+        return self.group is not None and self.world_size > 1
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank iff ``ok`` is true on every rank (one blocking MIN all-reduce).
+
+        This is how a failure seen by one rank (say rank 0's rename) reaches all of them within
+        one collective, so no rank waits forever for a peer that already gave up."""
+        if not self.distributed:
+            return bool(ok)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, indexed by rank (small, picklable objects only; save path only)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from rank ``src`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait for every rank on our gloo group."""
+        if self.distributed:
+            dist.barrier(group=self.group)

@@ -1,0 +1,218 @@
+"""``resilient_loop()``: resume -> steps -> periodic / preemption save -> exit code.
+
+::
+
+    loop = resilient_loop(cfg, model=model, optimizer=opt, lr_scheduler=sched, dataloader=loader)
+    with loop:
+        for step in loop:                       # resumes from LATEST first
+            loss = train_step(step.batch)
+            loop.log(loss=loss.item())
+    sys.exit(loop.exit_code)                    # 0 done, 75 preempted (requeue me), 1 failed
+
+At each step boundary the ranks agree (non-blocking, see :mod:`resilience.agreement`) whether a
+preemption signal reached any of them; when they do, every rank saves the same step and the
+loop ends with ``ExitCode.PREEMPTED``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from resilience.agreement import StopAgreement
+from resilience.checkpoint import Checkpointer, TrainingState
+from resilience.config import ResilienceConfig, config_from_dict
+from resilience.distributed import DistContext
+from resilience.exit_codes import ExitCode
+from resilience.signals import SignalRecorder
+from resilience.state.data_position import resume_iterator, set_epoch
+from resilience.state.step_scheduler import StepScheduler
+
+log = logging.getLogger("resilience")
+
+TRAINING_LOG = "training.jsonl"
+STOP_PREEMPTION = 1  # reason code carried by the agreement collective
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One training step handed to the user's loop body.
+
+    ``global_step`` is the 1-based number of this optimizer step over the whole run;
+    ``epoch`` is 0-based; ``batch_index`` is the 0-based index of ``batch`` within the epoch.
+    """
+
+    global_step: int
+    epoch: int
+    batch_index: int
+    batch: Any
+
+
+class ResilientLoop:
+    """Iterable over :class:`Step` that resumes, saves and stops; see :func:`resilient_loop`."""
+
+    def __init__(self, config: ResilienceConfig, state: TrainingState, *, ctx: DistContext | None = None):
+        self.config = config
+        self.state = state
+        self.ctx = ctx if ctx is not None else DistContext.from_env()
+        self.checkpointer = Checkpointer(
+            config.checkpoint, self.ctx, run_config=config.to_dict(), run_id=os.environ.get("RESILIENCE_RUN_ID") or uuid.uuid4().hex
+        )
+        self.scheduler = StepScheduler(config.step_scheduler.num_epochs, config.step_scheduler.max_steps)
+        self.exit_code: ExitCode | None = None
+        """Set when the loop ends: DONE, PREEMPTED (a checkpoint of the stop step is published) or FAILED."""
+        self.resumed_from: Path | None = None
+        self.stop_step: int | None = None
+        """The agreed stop step when preempted (every rank has the same)."""
+        self._generator: Iterator[Step] | None = None
+
+    # -- public --------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Step]:
+        if self._generator is not None:
+            raise RuntimeError("a ResilientLoop can be iterated once")
+        self._generator = self._run()
+        return self._generator
+
+    def __enter__(self) -> "ResilientLoop":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            self.exit_code = ExitCode.FAILED
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """End the loop early: restores signal handlers and drains the agreement (no save)."""
+        if self._generator is not None:
+            self._generator.close()
+        if self.exit_code is None:
+            self.exit_code = ExitCode.FAILED
+
+    def log(self, **metrics: Any) -> None:
+        """Record metrics of the current step (rank 0 appends them to ``training.jsonl``)."""
+        if self.ctx.rank != 0 or not self.config.checkpoint.enabled:
+            return
+        row = {"global_step": self.scheduler.global_step + 1, "epoch": self.scheduler.epoch, **metrics}
+        self.checkpointer.root.mkdir(parents=True, exist_ok=True)
+        with open(self.checkpointer.root / TRAINING_LOG, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    # -- the data path -------------------------------------------------------------------------
+    def _run(self) -> Iterator[Step]:
+        sched_cfg = self.config.step_scheduler
+        scheduler = self.scheduler
+        loader = self.state.dataloader
+        with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=sched_cfg.agreement_every_steps) as agreement:
+            restored = self._resume()
+            position = restored.data_position if restored else None
+            while not scheduler.done:
+                set_epoch(loader, scheduler.epoch)
+                iterator = self._epoch_iterator(loader, position)
+                if restored is not None:
+                    # The save captured the RNG after this epoch's iterator was created (creating it
+                    # draws from the global RNG), so restore it only now.
+                    Checkpointer.restore_rng(restored)
+                    restored = None
+                position = None
+                for batch in iterator:
+                    yield Step(scheduler.global_step + 1, scheduler.epoch, scheduler.batches_in_epoch, batch)
+                    scheduler.finish_step()
+                    stop = agreement.update(scheduler.global_step, STOP_PREEMPTION if signals else 0)
+                    if scheduler.done:
+                        break
+                    if stop:
+                        self._save("preemption")
+                        self.stop_step = scheduler.global_step
+                        self.exit_code = ExitCode.PREEMPTED
+                        log.warning("rank %d: stop agreed at step %d; checkpoint saved, exiting for requeue", self.ctx.rank, scheduler.global_step)
+                        return
+                    every = sched_cfg.ckpt_every_steps
+                    if every and scheduler.global_step % every == 0:
+                        self._save("periodic")
+                else:
+                    scheduler.finish_epoch()
+            agreement.drain()
+            if self.checkpointer.last_saved_step != scheduler.global_step:
+                self._save("final")
+            self.exit_code = ExitCode.DONE
+
+    def _resume(self):
+        directory = self.checkpointer.find_resume_point()
+        if directory is None:
+            return None
+        restored = self.checkpointer.load(directory, self.state)
+        self.scheduler.load_state_dict(restored.step_scheduler)
+        self.resumed_from = directory
+        self._truncate_log(self.scheduler.global_step)
+        log.info("rank %d: resumed from %s (global step %d)", self.ctx.rank, directory.name, self.scheduler.global_step)
+        return restored
+
+    def _epoch_iterator(self, loader: Any, position: dict[str, Any] | None) -> Iterator:
+        if position is not None:
+            length = _safe_len(loader)
+            if length is not None and position["batches_in_epoch"] >= length:
+                iter(loader)  # the original run created this epoch's iterator too (it draws RNG)
+                return iter(())
+        return resume_iterator(loader, position)
+
+    def _save(self, reason: str) -> None:
+        self.checkpointer.save(self.state, self.scheduler, reason=reason)
+
+    def _truncate_log(self, global_step: int) -> None:
+        """Drop log rows of steps after the resumed one (they were redone after a crash)."""
+        path = self.checkpointer.root / TRAINING_LOG
+        if self.ctx.rank != 0 or not path.exists():
+            return
+        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("global_step", 0) <= global_step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(r + "\n" for r in rows))
+        os.replace(tmp, path)
+
+
+def _safe_len(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def resilient_loop(
+    config: ResilienceConfig | dict | None = None,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any = None,
+    dataloader: Any,
+    extra_state: dict[str, Any] | None = None,
+) -> ResilientLoop:
+    """Wrap a training loop with preemption handling, checkpointing and exact resume.
+
+    Args:
+        config: a :class:`ResilienceConfig`, plain data in the YAML layout, or ``None`` (defaults).
+        model: the module being trained (plain or DDP); saved as safetensors.
+        optimizer: saved via DCP (optional).
+        lr_scheduler: anything with a JSON-able ``state_dict()`` (optional).
+        dataloader: iterable of batches; a ``StatefulDataLoader`` or any loader whose sampler
+            has ``set_epoch`` (``DistributedSampler``) resumes mid-epoch exactly.
+        extra_state: name -> object with ``state_dict()``/``load_state_dict()`` (JSON-able).
+
+    Returns a :class:`ResilientLoop`; iterate it for :class:`Step` objects, then exit with
+    ``loop.exit_code``. Constructing it is a collective when torch.distributed is initialised.
+
+    Raises:
+        ConfigError: invalid configuration (before any training).
+        CheckpointNotFound: ``checkpoint.restore_from`` is missing or invalid (at iteration start).
+        CheckpointSaveError: a save failed on any rank (raised on every rank).
+    """
+    if not isinstance(config, ResilienceConfig):
+        config = config_from_dict(config)
+    state = TrainingState(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, extra=dict(extra_state or {}))
+    return ResilientLoop(config, state)

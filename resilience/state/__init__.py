@@ -1,0 +1,1 @@
+"""Training state that is not model or optimizer: RNG, data position, step counters."""

@@ -1,0 +1,59 @@
+"""The data position of one data-parallel rank.
+
+A loader with ``state_dict()``/``load_state_dict()`` (torchdata's ``StatefulDataLoader``) saves
+its own state as JSON. Any other iterable is resumed by replaying the epoch's sampler and
+skipping the batches already consumed, which is exact for map-style datasets and costs one pass
+over those batches.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+
+def is_stateful(loader: Any) -> bool:
+    """True when ``loader`` has ``state_dict`` and ``load_state_dict``."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def set_epoch(loader: Any, epoch: int) -> None:
+    """Call ``set_epoch`` on the loader's sampler (``DistributedSampler``) and batch sampler if they have it,
+    so each epoch's shuffle is a function of (seed, epoch) and can be replayed on resume."""
+    for obj in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None), loader):
+        if obj is not None and callable(getattr(obj, "set_epoch", None)):
+            obj.set_epoch(epoch)
+            return
+
+
+def save_data_position(path: Path, loader: Any, batches_in_epoch: int) -> None:
+    """Write the loader position as JSON. Raises ``TypeError`` if its state is not JSON-able."""
+    state = {"batches_in_epoch": batches_in_epoch, "loader": loader.state_dict() if is_stateful(loader) else None}
+    try:
+        text = json.dumps(state)
+    except TypeError as exc:
+        raise TypeError(f"dataloader.state_dict() must be JSON-serialisable to be checkpointed: {exc}") from exc
+    path.write_text(text)
+
+
+def read_data_position(path: Path) -> dict[str, Any]:
+    """The JSON written by :func:`save_data_position`."""
+    return json.loads(path.read_text())
+
+
+def resume_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterator:
+    """An iterator over the rest of the current epoch.
+
+    ``position`` is ``None`` for a fresh epoch. For a stateful loader its state is loaded before
+    ``iter()``; otherwise the first ``batches_in_epoch`` batches are drawn and dropped.
+    """
+    if position is None:
+        return iter(loader)
+    if is_stateful(loader) and position.get("loader") is not None:
+        loader.load_state_dict(position["loader"])
+        return iter(loader)
+    iterator = iter(loader)
+    for _ in range(int(position["batches_in_epoch"])):
+        next(iterator)
+    return iterator

@@ -1,0 +1,55 @@
+"""RNG state of one rank: Python ``random``, NumPy's global generator, torch CPU and CUDA.
+
+Saved as a safetensors file (tensors for the large states, JSON in the header metadata for the
+rest), so loading never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file, safe_open
+
+
+def save_rng_state(path: Path) -> None:
+    """Write this process's RNG states to ``path`` (safetensors; the caller fsyncs)."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    tensors = {
+        "torch_cpu": torch.get_rng_state(),
+        "python": torch.tensor(py_state, dtype=torch.int64),
+        "numpy_keys": torch.from_numpy(np_keys.astype(np.int64)),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{index}"] = state
+    meta = {
+        "python": json.dumps({"version": py_version, "gauss_next": py_gauss}),
+        "numpy": json.dumps({"kind": np_kind, "pos": int(np_pos), "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)}),
+    }
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_rng_state(path: Path) -> None:
+    """Restore this process's RNG states from ``path`` written by :func:`save_rng_state`.
+
+    CUDA states are restored for as many devices as both the file and this process have.
+    """
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata()
+    py = json.loads(meta["python"])
+    random.setstate((py["version"], tuple(int(x) for x in tensors["python"].tolist()), py["gauss_next"]))
+    npm = json.loads(meta["numpy"])
+    np.random.set_state(
+        (npm["kind"], tensors["numpy_keys"].numpy().astype(np.uint32), npm["pos"], npm["has_gauss"], npm["gauss"])
+    )
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            if f"cuda_{index}" in tensors:
+                torch.cuda.set_rng_state(tensors[f"cuda_{index}"], device=index)

@@ -1,0 +1,45 @@
+"""Where training is: epoch, batch within the epoch, global step; and when it ends."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class StepScheduler:
+    """Counters of a run. ``global_step`` counts optimizer steps completed (the first step is 1).
+
+    ``batches_in_epoch`` counts batches of ``epoch`` already consumed (the data position).
+    Training ends after ``num_epochs`` epochs or ``max_steps`` steps, whichever comes first.
+    """
+
+    num_epochs: int
+    max_steps: int | None = None
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    global_step: int = 0
+
+    @property
+    def done(self) -> bool:
+        """True when no further step should run."""
+        return self.epoch >= self.num_epochs or (self.max_steps is not None and self.global_step >= self.max_steps)
+
+    def finish_step(self) -> None:
+        """Count one completed optimizer step."""
+        self.global_step += 1
+        self.batches_in_epoch += 1
+
+    def finish_epoch(self) -> None:
+        """Move to the next epoch's first batch."""
+        self.epoch += 1
+        self.batches_in_epoch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """JSON-able counters (the limits come from the config, not the checkpoint)."""
+        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch, "global_step": self.global_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore the counters saved by :meth:`state_dict`."""
+        self.epoch = int(state["epoch"])
+        self.batches_in_epoch = int(state["batches_in_epoch"])
+        self.global_step = int(state["global_step"])
