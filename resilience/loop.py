@@ -32,6 +32,7 @@ from resilience.config import ResilienceConfig, config_from_dict
 from resilience.distributed import DistContext
 from resilience.exit_codes import ExitCode
 from resilience.signals import SignalRecorder
+from resilience.slurm import run_id_from_env, signal_reach_warning, stop_requested_before_start
 from resilience.state.data_position import resume_iterator, set_epoch
 from resilience.state.step_scheduler import StepScheduler
 
@@ -62,9 +63,7 @@ class ResilientLoop:
         self.config = config
         self.state = state
         self.ctx = ctx if ctx is not None else DistContext.from_env()
-        self.checkpointer = Checkpointer(
-            config.checkpoint, self.ctx, run_config=config.to_dict(), run_id=os.environ.get("RESILIENCE_RUN_ID") or uuid.uuid4().hex
-        )
+        self.checkpointer = Checkpointer(config.checkpoint, self.ctx, run_config=config.to_dict(), run_id=run_id_from_env())
         self.scheduler = StepScheduler(config.step_scheduler.num_epochs, config.step_scheduler.max_steps)
         self.exit_code: ExitCode | None = None
         """Set when the loop ends: DONE, PREEMPTED (a checkpoint of the stop step is published) or FAILED."""
@@ -110,7 +109,12 @@ class ResilientLoop:
         sched_cfg = self.config.step_scheduler
         scheduler = self.scheduler
         loader = self.state.dataloader
+        warning = signal_reach_warning()
+        if warning and self.ctx.rank == 0 and sched_cfg.signals:
+            log.warning(warning)
         with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=sched_cfg.agreement_every_steps) as agreement:
+            # A stop the batch script recorded before this rank could receive the signal.
+            stop_before_start = bool(sched_cfg.signals) and stop_requested_before_start()
             restored = self._resume()
             position = restored.data_position if restored else None
             while not scheduler.done:
@@ -125,7 +129,7 @@ class ResilientLoop:
                 for batch in iterator:
                     yield Step(scheduler.global_step + 1, scheduler.epoch, scheduler.batches_in_epoch, batch)
                     scheduler.finish_step()
-                    stop = agreement.update(scheduler.global_step, STOP_PREEMPTION if signals else 0)
+                    stop = agreement.update(scheduler.global_step, STOP_PREEMPTION if (signals or stop_before_start) else 0)
                     if scheduler.done:
                         break
                     if stop:
@@ -151,6 +155,8 @@ class ResilientLoop:
         restored = self.checkpointer.load(directory, self.state)
         self.scheduler.load_state_dict(restored.step_scheduler)
         self.resumed_from = directory
+        if self.checkpointer.run_id is None:
+            self.checkpointer.run_id = restored.meta.get("run_id")  # one run id across restarts
         self._truncate_log(self.scheduler.global_step)
         log.info("rank %d: resumed from %s (global step %d)", self.ctx.rank, directory.name, self.scheduler.global_step)
         return restored
@@ -164,6 +170,8 @@ class ResilientLoop:
         return resume_iterator(loader, position)
 
     def _save(self, reason: str) -> None:
+        if self.checkpointer.run_id is None:
+            self.checkpointer.run_id = uuid.uuid4().hex
         self.checkpointer.save(self.state, self.scheduler, reason=reason)
 
     def _truncate_log(self, global_step: int) -> None:
