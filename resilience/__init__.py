@@ -1,38 +1,46 @@
 """resilience: Slurm-aware fault tolerance and preemption handling for PyTorch training.
 
-Public names only; importing this package installs nothing (no signal handlers, no threads).
+Public names only; importing this package installs nothing (no signal handlers, no threads)
+and imports torch only when a name that needs it is first used, so ``resilience run`` (the
+launcher) starts in milliseconds and has its signal handlers in place before a Slurm warning
+can arrive.
 """
 
-from resilience.checkpoint import (
-    CheckpointInvalid,
-    CheckpointNotFound,
-    Checkpointer,
-    CheckpointSaveError,
-    TrainingState,
-)
-from resilience.config import (
-    CheckpointConfig,
-    ConfigError,
-    ResilienceConfig,
-    StepSchedulerConfig,
-    load_config,
-)
-from resilience.exit_codes import ExitCode
-from resilience.loop import ResilientLoop, Step, resilient_loop
+from __future__ import annotations
 
-__all__ = [
-    "resilient_loop",
-    "ResilientLoop",
-    "Step",
-    "ExitCode",
-    "load_config",
-    "ResilienceConfig",
-    "StepSchedulerConfig",
-    "CheckpointConfig",
-    "ConfigError",
-    "Checkpointer",
-    "TrainingState",
-    "CheckpointSaveError",
-    "CheckpointNotFound",
-    "CheckpointInvalid",
-]
+import importlib
+from typing import Any
+
+from resilience.exit_codes import ExitCode
+
+_LAZY = {
+    "resilient_loop": "resilience.loop",
+    "ResilientLoop": "resilience.loop",
+    "Step": "resilience.loop",
+    "load_config": "resilience.config",
+    "ResilienceConfig": "resilience.config",
+    "StepSchedulerConfig": "resilience.config",
+    "CheckpointConfig": "resilience.config",
+    "SlurmConfig": "resilience.config",
+    "ConfigError": "resilience.config",
+    "Checkpointer": "resilience.checkpoint",
+    "TrainingState": "resilience.checkpoint",
+    "CheckpointSaveError": "resilience.checkpoint",
+    "CheckpointNotFound": "resilience.checkpoint",
+    "CheckpointInvalid": "resilience.checkpoint",
+}
+
+__all__ = ["ExitCode", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resilience' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

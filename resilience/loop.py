@@ -32,7 +32,8 @@ from resilience.config import ResilienceConfig, config_from_dict
 from resilience.distributed import DistContext
 from resilience.exit_codes import ExitCode
 from resilience.signals import SignalRecorder
-from resilience.slurm import run_id_from_env, signal_reach_warning, stop_requested_before_start
+from resilience.handshake import mark_ready_and_check_stop
+from resilience.slurm import run_id_from_env, signal_reach_warning
 from resilience.state.data_position import resume_iterator, set_epoch
 from resilience.state.step_scheduler import StepScheduler
 
@@ -113,8 +114,8 @@ class ResilientLoop:
         if warning and self.ctx.rank == 0 and sched_cfg.signals:
             log.warning(warning)
         with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=sched_cfg.agreement_every_steps) as agreement:
-            # A stop the batch script recorded before this rank could receive the signal.
-            stop_before_start = bool(sched_cfg.signals) and stop_requested_before_start()
+            # A stop the launcher or batch script recorded before this rank could receive it.
+            stop_before_start = mark_ready_and_check_stop() and bool(sched_cfg.signals)
             restored = self._resume()
             position = restored.data_position if restored else None
             while not scheduler.done:

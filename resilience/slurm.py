@@ -11,12 +11,10 @@ import datetime as _dt
 import os
 import re
 import subprocess
-from pathlib import Path
 from typing import Mapping
 
 # Environment contract with templates/slurm*.sub (set by the batch script, read by the ranks).
 TEMPLATE_ENV = "RESILIENCE_TEMPLATE"  # "1" when launched by one of our batch templates
-STOP_FILE_ENV = "RESILIENCE_STOP_FILE"  # exists => a stop was requested before/while ranks started
 RUN_ID_ENV = "RESILIENCE_RUN_ID"  # kept across requeues and resubmissions
 
 
@@ -111,14 +109,6 @@ def signal_reach_warning(env: Mapping[str, str] | None = None) -> str | None:
         "traps and forwards it. Use templates/slurm.sub (`resilience template slurm CONFIG.yaml`) "
         "or launch the ranks with srun."
     )
-
-
-def stop_requested_before_start(env: Mapping[str, str] | None = None) -> bool:
-    """True when the batch script recorded a stop (its signal arrived before the ranks could
-    receive it): the file named by ``RESILIENCE_STOP_FILE`` exists."""
-    env = os.environ if env is None else env
-    path = env.get(STOP_FILE_ENV)
-    return bool(path) and Path(path).exists()
 
 
 def run_id_from_env(env: Mapping[str, str] | None = None) -> str | None:

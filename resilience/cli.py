@@ -1,0 +1,70 @@
+"""The ``resilience`` command line: one subcommand per job, dispatched by :func:`main`.
+
+Adding a subcommand takes one handler function ``_cmd_<name>(args) -> int`` and one
+``_add(subparsers, "<name>", ...)`` line in :func:`build_parser`, whose ``add_arguments``
+callable (usually living next to the feature, like :func:`resilience.launch.add_arguments`)
+declares the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from resilience import launch
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    return launch.run(args)
+
+
+def _add(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    add_arguments: Callable[[argparse.ArgumentParser], object],
+    handler: Handler,
+    help: str,
+) -> None:
+    parser = subparsers.add_parser(name, help=help, description=help)
+    add_arguments(parser)
+    parser.set_defaults(handler=handler)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``resilience`` parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="resilience",
+        description="Slurm-aware fault tolerance and preemption handling for PyTorch training.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add(
+        subparsers,
+        "run",
+        launch.add_arguments,
+        _cmd_run,
+        help="start N local ranks (torchrun-like), forward USR1/USR2/TERM/INT to them and "
+        "exit with their combined code",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code.
+
+    Always returns an ``int`` (usable as ``sys.exit(main())``): argparse's own exits
+    (``--help`` -> 0, a usage error -> 2) are turned into return values.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+        return code if isinstance(code, int) else (0 if code is None else 2)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
