@@ -39,7 +39,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointInvalid(f"{directory}: no {MANIFEST} (an incomplete save)") from None
     except (OSError, ValueError) as exc:
         raise CheckpointInvalid(f"{path}: unreadable manifest ({exc})") from exc
-    if not isinstance(doc, dict) or doc.get("format_version") != FORMAT_VERSION or "files" not in doc:
+    if not isinstance(doc, dict) or doc.get("format_version") != FORMAT_VERSION or not isinstance(doc.get("files"), dict):
         raise CheckpointInvalid(f"{path}: not a format-{FORMAT_VERSION} manifest")
     return doc
 

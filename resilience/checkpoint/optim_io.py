@@ -78,6 +78,12 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
         for name, spec in entries.items():
             if "tensor" in spec:
                 state[fqn][name] = tensors[spec["tensor"]]
+    # JSON has no tuples: give back the tuple form the optimizer uses (AdamW's ``betas``), so the
+    # restored param_groups equal the saved ones rather than holding lists.
+    for saved, current in zip(skeleton["param_groups"], optimizer.param_groups):
+        for key, value in saved.items():
+            if isinstance(value, list) and isinstance(current.get(key), tuple):
+                saved[key] = tuple(value)
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": skeleton["param_groups"]})
 
 

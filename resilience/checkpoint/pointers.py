@@ -33,6 +33,8 @@ def write_pointer(root: Path, name: str, target: Path) -> None:
         txt_tmp = root / f".{name}.txt.tmp.{os.getpid()}"
         write_bytes(txt_tmp, (rel + "\n").encode())
         os.replace(txt_tmp, root / f"{name}.txt")
+        if (root / name).is_symlink():
+            (root / name).unlink()  # readers prefer the symlink: a stale one would win over the new text
     else:
         os.replace(tmp, root / name)
         stale_txt = root / f"{name}.txt"
@@ -59,4 +61,8 @@ def read_pointer(root: Path, name: str) -> Path | None:
         return None
     if not rel or os.path.isabs(rel) or "/" in rel.strip("/") or rel in (".", ".."):
         raise PointerError(f"{link}: pointer target {rel!r} is outside {root}; refusing to follow it")
-    return root / rel.strip("/")
+    target = root / rel.strip("/")
+    if target.is_symlink():
+        # A checkpoint name that is itself a link could lead anywhere; list_checkpoints skips them too.
+        raise PointerError(f"{link}: pointer target {rel!r} is a symlink; refusing to follow it")
+    return target

@@ -51,6 +51,7 @@ def _choose(root: Path, restore_from: str | None) -> tuple[str | None, list[str]
 
     for path in candidates:
         if (path / BAD_MARKER).exists():
+            warnings.append(f"skipping {path.name}: marked bad at an earlier start ({path / BAD_MARKER})")
             continue
         try:
             validate(path)
@@ -64,6 +65,8 @@ def _choose(root: Path, restore_from: str | None) -> tuple[str | None, list[str]
         if warnings:
             warnings.append(f"falling back to {path.name}")
         return str(path), warnings
+    if candidates:
+        warnings.append(f"no valid checkpoint under {root}: starting from scratch")
     return None, warnings
 
 

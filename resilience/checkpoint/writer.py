@@ -124,6 +124,8 @@ def save_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part], 
             write_pointer(root, LATEST, final)
         except Exception as exc:  # noqa: BLE001
             error = _describe(exc)
+            # Not left for the next start: a failed save must not hold a checkpoint's worth of disk.
+            shutil.rmtree(staging, ignore_errors=True)
     _raise_if_any(ctx, error, "publishing", name)
     return final
 
@@ -137,17 +139,32 @@ def _rename_into_place(root: Path, staging: Path, final: Path) -> None:
         if trash.exists():
             shutil.rmtree(trash)
         os.rename(final, trash)
-    os.rename(staging, final)
+    try:
+        os.rename(staging, final)
+    except OSError:
+        if trash is not None:
+            os.rename(trash, final)  # put the previous save of this step back where LATEST may point
+        raise
     fsync_dir(root)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
 def remove_leftovers(root: Path) -> list[Path]:
-    """Delete staging and trash directories left by a crashed save (rank 0, at start-up)."""
+    """Delete staging and trash directories left by a crashed save (rank 0, at start-up).
+
+    A trash directory whose checkpoint name is absent (a crash between the two renames of a
+    re-save) is the only copy of that checkpoint: it is renamed back instead of deleted.
+    """
     removed = []
     if root.is_dir():
         for child in root.iterdir():
+            if child.name.startswith(TRASH_PREFIX) and child.is_dir():
+                original = root / child.name[len(TRASH_PREFIX):]
+                if not original.exists() and not original.is_symlink():
+                    os.rename(child, original)
+                    fsync_dir(root)
+                    continue
             if child.name.startswith((STAGING_PREFIX, TRASH_PREFIX)) and child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)
                 removed.append(child)

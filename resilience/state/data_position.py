@@ -12,6 +12,33 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import torch
+
+_TENSOR = "__tensor__"
+
+
+def _encode(obj: Any) -> Any:
+    """JSON-able form of a loader state: tensors (e.g. a shuffling sampler's generator state)
+    become ``{"__tensor__": {"dtype", "shape", "data"}}``; nothing is pickled."""
+    if isinstance(obj, torch.Tensor):
+        return {_TENSOR: {"dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape), "data": obj.flatten().tolist()}}
+    if isinstance(obj, dict):
+        return {key: _encode(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode(value) for value in obj]
+    return obj
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {_TENSOR}:
+            spec = obj[_TENSOR]
+            return torch.tensor(spec["data"], dtype=getattr(torch, spec["dtype"])).reshape(spec["shape"])
+        return {key: _decode(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(value) for value in obj]
+    return obj
+
 
 def is_stateful(loader: Any) -> bool:
     """True when ``loader`` has ``state_dict`` and ``load_state_dict``."""
@@ -29,7 +56,7 @@ def set_epoch(loader: Any, epoch: int) -> None:
 
 def save_data_position(path: Path, loader: Any, batches_in_epoch: int) -> None:
     """Write the loader position as JSON. Raises ``TypeError`` if its state is not JSON-able."""
-    state = {"batches_in_epoch": batches_in_epoch, "loader": loader.state_dict() if is_stateful(loader) else None}
+    state = {"batches_in_epoch": batches_in_epoch, "loader": _encode(loader.state_dict()) if is_stateful(loader) else None}
     try:
         text = json.dumps(state)
     except TypeError as exc:
@@ -51,7 +78,7 @@ def resume_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterat
     if position is None:
         return iter(loader)
     if is_stateful(loader) and position.get("loader") is not None:
-        loader.load_state_dict(position["loader"])
+        loader.load_state_dict(_decode(position["loader"]))
         return iter(loader)
     iterator = iter(loader)
     for _ in range(int(position["batches_in_epoch"])):

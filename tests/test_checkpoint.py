@@ -1,0 +1,493 @@
+"""resilience.checkpoint, single process: round trip, on-disk layout, atomic publish, validated
+resume with fallback, pointer safety. Real files throughout; faults are real filesystem damage or
+the writer's own ``fault_hook``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from resilience.checkpoint import (
+    CheckpointInvalid,
+    Checkpointer,
+    CheckpointNotFound,
+    CheckpointSaveError,
+    TrainingState,
+    writer,
+)
+from resilience.checkpoint.layout import BAD_MARKER, LATEST, MANIFEST
+from resilience.checkpoint.manifest import validate
+from resilience.checkpoint.model_io import model_file
+from resilience.checkpoint.pointers import read_pointer, write_pointer
+from resilience.config import CheckpointConfig
+from resilience.distributed import DistContext
+from resilience.state.step_scheduler import StepScheduler
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata's set_vital deprecation
+
+PHASES = ["staging", "parts", "manifest", "rename", "pointer"]
+
+
+class Counter:
+    """A user object checkpointed through ``TrainingState.extra``."""
+
+    def __init__(self, value: int = 0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def make_state(seed: int, train_steps: int = 2) -> TrainingState:
+    """A tiny MLP + AdamW + LambdaLR + StatefulDataLoader, trained ``train_steps`` steps."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.99))
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5**epoch)
+    data = TensorDataset(torch.arange(40, dtype=torch.float32).reshape(10, 4))
+    loader = StatefulDataLoader(data, batch_size=2)
+    batches = iter(loader)
+    for _ in range(train_steps):
+        (x,) = next(batches)
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        lr_scheduler.step()
+    return TrainingState(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=loader, extra={"counter": Counter(seed)})
+
+
+def scheduler_at(step: int, epoch: int = 0) -> StepScheduler:
+    return StepScheduler(num_epochs=3, epoch=epoch, batches_in_epoch=step, global_step=step)
+
+
+def checkpointer(root: Path, **overrides) -> Checkpointer:
+    return Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **overrides), DistContext())
+
+
+def save_steps(root: Path, *steps: int) -> Checkpointer:
+    """Save one checkpoint per step (same state object); LATEST ends at the last one."""
+    ck = checkpointer(root)
+    state = make_state(seed=1)
+    for step in steps:
+        assert ck.save(state, scheduler_at(step)) == root / f"epoch_0_step_{step}"
+    return ck
+
+
+def latest_name(root: Path) -> str:
+    return read_pointer(root, LATEST).name
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def no_fault_hook():
+    yield
+    writer.fault_hook = None
+
+
+# -- round trip ------------------------------------------------------------------------------
+
+
+def test_round_trip_restores_model_optimizer_schedulers_data_position_and_rng(root):
+    ck = checkpointer(root)
+    saved = make_state(seed=1)
+    saved_sched = scheduler_at(2)
+    directory = ck.save(saved, saved_sched, reason="periodic")
+    # What the RNG streams give right after the save...
+    expected_draws = (torch.rand(3), random.random(), np.random.rand(2))
+    expected_next_batch = saved.dataloader.dataset.tensors[0][4:6]  # two batches of 2 were drawn
+
+    fresh = make_state(seed=2, train_steps=3)  # different weights, optimizer state, LR and counter
+    assert not torch.equal(fresh.model[0].weight, saved.model[0].weight)
+    assert ck.find_resume_point() == directory
+    restored = ck.load(directory, fresh)
+
+    for (name, a), (_, b) in zip(saved.model.state_dict().items(), fresh.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    want, got = saved.optimizer.state_dict(), fresh.optimizer.state_dict()
+    assert got["param_groups"] == want["param_groups"]  # includes betas as a tuple, lr, initial_lr
+    assert got["state"].keys() == want["state"].keys()
+    for index, entries in want["state"].items():
+        assert set(entries) == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in entries.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)
+    assert fresh.lr_scheduler.state_dict() == saved.lr_scheduler.state_dict()
+    assert fresh.extra["counter"].value == 1
+    assert restored.step_scheduler == saved_sched.state_dict()
+    assert restored.meta["global_step"] == 2 and restored.meta["world_size"] == 1 and restored.meta["reason"] == "periodic"
+    assert ck.last_saved_step == 2
+
+    # Data position: a fresh loader given the saved state continues where the saved one was.
+    assert restored.data_position["batches_in_epoch"] == 2
+    fresh.dataloader.load_state_dict(restored.data_position["loader"])
+    assert torch.equal(next(iter(fresh.dataloader))[0], expected_next_batch)
+
+    # RNG: applied separately (the loop does it at the point the save captured it).
+    torch.rand(5), random.random(), np.random.rand(7)  # move every stream on
+    Checkpointer.restore_rng(restored)
+    draws = (torch.rand(3), random.random(), np.random.rand(2))
+    assert torch.equal(draws[0], expected_draws[0])
+    assert draws[1] == expected_draws[1]
+    assert np.array_equal(draws[2], expected_draws[2])
+
+
+def test_shuffled_stateful_dataloader_resumes_the_same_remaining_batches(root):
+    """Its state holds the sampler's generator state (a tensor): stored as JSON, not pickled."""
+    torch.manual_seed(0)
+    loader = StatefulDataLoader(TensorDataset(torch.arange(20.0)), batch_size=2, shuffle=True)
+    batches = iter(loader)
+    next(batches)
+    next(batches)
+    state = TrainingState(model=torch.nn.Linear(1, 1), dataloader=loader)
+    saved = checkpointer(root).save(state, StepScheduler(num_epochs=1, batches_in_epoch=2, global_step=2))
+    expected = [b[0].tolist() for b in batches]
+
+    fresh = StatefulDataLoader(TensorDataset(torch.arange(20.0)), batch_size=2, shuffle=True)
+    restored = checkpointer(root).load(saved, TrainingState(model=torch.nn.Linear(1, 1), dataloader=fresh))
+    from resilience.state.data_position import resume_iterator
+
+    assert [b[0].tolist() for b in resume_iterator(fresh, restored.data_position)] == expected
+
+
+def test_checkpoint_named_after_epoch_of_the_step_after_an_epoch_ends(root):
+    ck = checkpointer(root)
+    state = TrainingState(model=torch.nn.Linear(2, 2))
+    # After the last batch of epoch 1 the scheduler already points at epoch 2, batch 0.
+    sched = StepScheduler(num_epochs=5, epoch=2, batches_in_epoch=0, global_step=10)
+    assert ck.save(state, sched).name == "epoch_1_step_10"
+
+
+def test_load_refuses_a_checkpoint_of_another_world_size(root):
+    ck = save_steps(root, 2)
+    directory = root / "epoch_0_step_2"
+    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest["meta"]["world_size"] = 4
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="world size 4"):
+        ck.load(directory, make_state(seed=3))
+
+
+def test_disabled_checkpointing_writes_and_resumes_nothing(root):
+    save_steps(root, 2)
+    ck = checkpointer(root, enabled=False)
+    assert ck.save(make_state(seed=1), scheduler_at(4)) is None
+    assert not (root / "epoch_0_step_4").exists()
+    assert ck.find_resume_point() is None
+
+
+def test_no_checkpoint_means_fresh_start(root):
+    assert checkpointer(root).find_resume_point() is None
+    root.mkdir()
+    assert checkpointer(root).find_resume_point() is None
+
+
+def test_resume_false_ignores_latest(root):
+    save_steps(root, 2)
+    assert checkpointer(root, resume=False).find_resume_point() is None
+
+
+# -- layout ----------------------------------------------------------------------------------
+
+
+def test_layout_manifest_lists_exactly_the_files_on_disk_and_latest_is_relative(root):
+    save_steps(root, 3, 6)
+    assert sorted(p.name for p in root.iterdir()) == [LATEST, "epoch_0_step_3", "epoch_0_step_6"]
+    latest = root / LATEST
+    assert latest.is_symlink() and os.readlink(latest) == "epoch_0_step_6"  # relative, same directory
+    assert not list(root.glob(".staging_*")) and not list(root.glob(".trash_*"))
+
+    for step in (3, 6):
+        directory = root / f"epoch_0_step_{step}"
+        manifest = json.loads((directory / MANIFEST).read_text())
+        on_disk = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()} - {MANIFEST}
+        assert set(manifest["files"]) == on_disk
+        for rel, entry in manifest["files"].items():
+            assert entry["size"] == (directory / rel).stat().st_size
+            assert len(entry["sha256"]) == 64
+        assert {model_file(), "optim/.metadata", "optim/skeleton.json", "optim/lr_scheduler.json",
+                "step_scheduler.json", "config.yaml", "rng/rank_00000.safetensors",
+                "dataloader/rank_00000.json", "extra/counter.json"} <= on_disk
+        assert manifest["meta"]["global_step"] == step
+        validate(directory)
+
+
+# -- atomic publish --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_failed_save_at_any_phase_leaves_latest_on_the_previous_valid_checkpoint(root, phase, no_fault_hook):
+    ck = save_steps(root, 2)
+    before = (root / "epoch_0_step_2" / MANIFEST).read_bytes()
+
+    def fail(name):
+        if name == phase:
+            raise OSError(28, f"injected failure at {name}")
+
+    writer.fault_hook = fail
+    with pytest.raises(CheckpointSaveError, match="epoch_0_step_4.*injected failure"):
+        ck.save(make_state(seed=5), scheduler_at(4))
+    writer.fault_hook = None
+
+    assert latest_name(root) == "epoch_0_step_2"
+    validate(root / "epoch_0_step_2")
+    assert (root / "epoch_0_step_2" / MANIFEST).read_bytes() == before
+    assert not list(root.glob(".staging_*")), "a failed save does not leave its staging directory behind"
+    assert ck.find_resume_point() == root / "epoch_0_step_2"  # never the unpointed step 4
+    if phase != "pointer":
+        assert not (root / "epoch_0_step_4").exists()
+    # The next save works normally.
+    ck.save(make_state(seed=5), scheduler_at(6))
+    assert latest_name(root) == "epoch_0_step_6"
+
+
+def test_resave_of_same_step_whose_rename_fails_keeps_the_previous_save(root, no_fault_hook):
+    ck = save_steps(root, 4)
+    old_weights = (root / "epoch_0_step_4" / model_file()).read_bytes()
+    elsewhere = root.parent / "moved_away"
+
+    def remove_staging(name):
+        if name == "rename":  # a real failure: the staging directory is gone when it is renamed
+            shutil.move(str(root / ".staging_epoch_0_step_4"), elsewhere)
+
+    writer.fault_hook = remove_staging
+    with pytest.raises(CheckpointSaveError):
+        ck.save(make_state(seed=9), scheduler_at(4))
+    writer.fault_hook = None
+    assert elsewhere.is_dir()
+    assert latest_name(root) == "epoch_0_step_4"
+    validate(root / "epoch_0_step_4")
+    assert (root / "epoch_0_step_4" / model_file()).read_bytes() == old_weights
+    assert not list(root.glob(".trash_*"))
+
+
+def test_resave_of_same_step_replaces_it_atomically(root):
+    ck = save_steps(root, 4)
+    state = make_state(seed=7)
+    with torch.no_grad():
+        state.model[0].weight.fill_(3.25)
+    ck.save(state, scheduler_at(4))
+    assert not list(root.glob(".trash_*")) and not list(root.glob(".staging_*"))
+    assert latest_name(root) == "epoch_0_step_4"
+    validate(root / "epoch_0_step_4")
+    fresh = make_state(seed=8)
+    ck.load(ck.find_resume_point(), fresh)
+    assert torch.all(fresh.model[0].weight == 3.25)
+    assert fresh.extra["counter"].value == 7
+
+
+# -- resume: validation and fallback ---------------------------------------------------------
+
+
+def _truncate(directory: Path) -> None:
+    shard = directory / model_file()
+    shard.write_bytes(shard.read_bytes()[:-16])
+
+
+def _flip_byte(directory: Path) -> None:
+    shard = directory / model_file()
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF  # inside the tensor data: same size, different content
+    shard.write_bytes(bytes(data))
+
+
+def _drop_manifest(directory: Path) -> None:
+    (directory / MANIFEST).unlink()
+
+
+def _delete(directory: Path) -> None:
+    shutil.rmtree(directory)
+
+
+def _malformed_manifest(directory: Path) -> None:
+    (directory / MANIFEST).write_text(json.dumps({"format_version": 1, "files": ["model"]}))
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (_truncate, "truncated"),
+        (_flip_byte, "checksum mismatch"),
+        (_drop_manifest, "no manifest.json"),
+        (_malformed_manifest, "not a format-1 manifest"),
+        (_delete, "no such checkpoint directory"),
+    ],
+    ids=["truncated-shard", "flipped-bytes", "missing-manifest", "malformed-manifest", "deleted-directory"],
+)
+def test_invalid_latest_falls_back_to_newest_older_valid_checkpoint(root, caplog, damage, why):
+    save_steps(root, 2, 4, 6)
+    damage(root / "epoch_0_step_6")
+    ck = checkpointer(root)
+    with caplog.at_level(logging.WARNING, logger="resilience.checkpoint"):
+        assert ck.find_resume_point() == root / "epoch_0_step_4"
+    text = caplog.text
+    assert "epoch_0_step_6" in text and why in text and "falling back to epoch_0_step_4" in text
+    assert latest_name(root) == "epoch_0_step_6", "resume does not move LATEST"
+
+
+def test_invalid_checkpoint_is_marked_bad_and_skipped_next_time(root, caplog):
+    save_steps(root, 2, 4)
+    shard = root / "epoch_0_step_4" / model_file()
+    original = shard.read_bytes()
+    _truncate(root / "epoch_0_step_4")
+    ck = checkpointer(root)
+    assert ck.find_resume_point() == root / "epoch_0_step_2"
+    assert "truncated" in (root / "epoch_0_step_4" / BAD_MARKER).read_text()
+
+    # Even with its bytes back, a checkpoint marked bad is not tried again.
+    shard.write_bytes(original)
+    validate(root / "epoch_0_step_4")
+    assert ck.find_resume_point() == root / "epoch_0_step_2"
+
+
+def test_all_checkpoints_invalid_means_fresh_start_with_warnings(root, caplog):
+    save_steps(root, 2, 4)
+    _flip_byte(root / "epoch_0_step_2")
+    _flip_byte(root / "epoch_0_step_4")
+    with caplog.at_level(logging.WARNING, logger="resilience.checkpoint"):
+        assert checkpointer(root).find_resume_point() is None
+    assert caplog.text.count("checksum mismatch") == 2
+
+
+def test_checkpoints_newer_than_latest_are_not_resumed(root):
+    # LATEST is the publication point: a complete directory it does not name (a save that failed
+    # to move LATEST) is not trusted.
+    save_steps(root, 2, 4)
+    write_pointer(root, LATEST, root / "epoch_0_step_2")
+    assert checkpointer(root).find_resume_point() == root / "epoch_0_step_2"
+
+
+def test_missing_latest_resumes_newest_valid_checkpoint(root):
+    save_steps(root, 2, 4)
+    (root / LATEST).unlink()
+    assert checkpointer(root).find_resume_point() == root / "epoch_0_step_4"
+
+
+@pytest.mark.parametrize("target_kind", ["absolute", "dotdot", "nested-symlink"])
+def test_latest_pointing_outside_checkpoint_dir_is_refused(root, tmp_path, caplog, target_kind):
+    save_steps(root, 2)
+    # A valid checkpoint outside the root: following the pointer would resume from it.
+    outside = tmp_path / "elsewhere" / "epoch_0_step_9"
+    save_steps(outside.parent, 9)
+    validate(outside)
+    (root / LATEST).unlink()
+    if target_kind == "absolute":
+        os.symlink(str(outside), root / LATEST)
+    elif target_kind == "dotdot":
+        os.symlink("../elsewhere/epoch_0_step_9", root / LATEST)
+    else:  # LATEST -> epoch_0_step_9 (in root), itself a symlink to the outside checkpoint
+        os.symlink(str(outside), root / "epoch_0_step_9")
+        os.symlink("epoch_0_step_9", root / LATEST)
+    with caplog.at_level(logging.WARNING, logger="resilience.checkpoint"):
+        assert checkpointer(root).find_resume_point() == root / "epoch_0_step_2"
+    assert "refusing to follow" in caplog.text
+    assert not (outside / BAD_MARKER).exists(), "nothing is written outside checkpoint_dir"
+
+
+# -- restore_from ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["name", "absolute"])
+def test_restore_from_missing_checkpoint_raises_not_found(root, form):
+    save_steps(root, 2)
+    target = "epoch_0_step_8" if form == "name" else str(root / "epoch_0_step_8")
+    with pytest.raises(CheckpointNotFound, match="restore_from.*epoch_0_step_8"):
+        checkpointer(root, restore_from=target).find_resume_point()
+
+
+def test_restore_from_invalid_checkpoint_raises_not_found_without_fallback(root):
+    save_steps(root, 2, 4)
+    _truncate(root / "epoch_0_step_2")
+    with pytest.raises(CheckpointNotFound, match="truncated"):
+        checkpointer(root, restore_from="epoch_0_step_2").find_resume_point()
+
+
+@pytest.mark.parametrize("form", ["name", "absolute"])
+def test_restore_from_valid_checkpoint_overrides_latest(root, form):
+    save_steps(root, 2, 4)
+    target = "epoch_0_step_2" if form == "name" else str(root / "epoch_0_step_2")
+    # resume=false does not turn an explicit restore_from off.
+    assert checkpointer(root, restore_from=target, resume=False).find_resume_point() == root / "epoch_0_step_2"
+
+
+def test_checkpoint_not_found_is_a_file_not_found_error():
+    assert issubclass(CheckpointNotFound, FileNotFoundError)
+    assert not issubclass(CheckpointInvalid, FileNotFoundError)
+
+
+# -- leftovers -------------------------------------------------------------------------------
+
+
+def test_staging_and_trash_leftovers_are_removed_at_resume(root):
+    save_steps(root, 2)
+    staging = root / ".staging_epoch_0_step_5"
+    (staging / "model").mkdir(parents=True)
+    (staging / "model" / "partial.safetensors").write_bytes(b"\0" * 100)
+    trash = root / ".trash_epoch_0_step_2"  # its checkpoint exists: a finished re-save's leftover
+    trash.mkdir()
+    assert checkpointer(root).find_resume_point() == root / "epoch_0_step_2"
+    assert not staging.exists() and not trash.exists()
+
+
+def test_trash_without_its_checkpoint_is_put_back_at_resume(root):
+    # A crash between the two renames of a re-save: the old copy is in trash, the new one in staging.
+    save_steps(root, 2, 4)
+    os.rename(root / "epoch_0_step_4", root / ".trash_epoch_0_step_4")
+    shutil.copytree(root / ".trash_epoch_0_step_4", root / ".staging_epoch_0_step_4")
+    assert checkpointer(root).find_resume_point() == root / "epoch_0_step_4"
+    assert not list(root.glob(".trash_*")) and not list(root.glob(".staging_*"))
+
+
+# -- pointers --------------------------------------------------------------------------------
+
+
+def _no_symlinks(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(1, "Operation not permitted (symlinks unsupported here)")
+
+    monkeypatch.setattr(os, "symlink", refuse)
+
+
+def test_latest_txt_is_written_and_followed_where_symlinks_fail(root, monkeypatch):
+    root.mkdir()
+    (root / "epoch_0_step_2").mkdir()
+    _no_symlinks(monkeypatch)
+    write_pointer(root, LATEST, root / "epoch_0_step_2")
+    assert (root / "LATEST.txt").read_text() == "epoch_0_step_2\n"
+    assert not (root / LATEST).is_symlink()
+    assert read_pointer(root, LATEST) == root / "epoch_0_step_2"
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST.txt", "epoch_0_step_2"], "no temporary files left"
+
+
+def test_pointer_forms_never_disagree_when_symlink_support_changes(root, monkeypatch):
+    ck = save_steps(root, 2)
+    assert (root / LATEST).is_symlink()
+    _no_symlinks(monkeypatch)
+    ck.save(make_state(seed=1), scheduler_at(4))
+    assert not (root / LATEST).is_symlink(), "a stale symlink would win over LATEST.txt"
+    assert read_pointer(root, LATEST) == root / "epoch_0_step_4"
+    assert ck.find_resume_point() == root / "epoch_0_step_4"
+    monkeypatch.undo()
+    ck.save(make_state(seed=1), scheduler_at(6))
+    assert (root / LATEST).is_symlink() and not (root / "LATEST.txt").exists()
+    assert read_pointer(root, LATEST) == root / "epoch_0_step_6"
+
+
+def test_read_pointer_absent_is_none(root):
+    root.mkdir()
+    assert read_pointer(root, LATEST) is None
