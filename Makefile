@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,examples]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,examples,interop]'
 	touch $(STAMP)
 
 demo: $(STAMP)

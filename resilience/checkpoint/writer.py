@@ -67,8 +67,20 @@ def _describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
-def save_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part], meta: dict[str, Any]) -> Path:
+def save_checkpoint(
+    ctx: DistContext,
+    root: Path,
+    name: str,
+    parts: list[Part],
+    meta: dict[str, Any],
+    *,
+    after_publish: Callable[[Path], None] | None = None,
+) -> Path:
     """Write and publish checkpoint ``root/name``; a collective over ``ctx`` (every rank calls it).
+
+    ``after_publish(final_dir)`` runs on rank 0 once ``LATEST`` names the new checkpoint (other
+    pointers such as ``LOWEST_VAL``, then retention); its failure raises on every rank like any
+    other publishing step, but the new checkpoint stays published.
 
     Returns the published directory. Raises :class:`CheckpointSaveError` on every rank when any
     rank fails at any step; the previous checkpoint and ``LATEST`` are then left as they were.
@@ -126,6 +138,12 @@ def save_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part], 
             error = _describe(exc)
             # Not left for the next start: a failed save must not hold a checkpoint's worth of disk.
             shutil.rmtree(staging, ignore_errors=True)
+        if error is None and after_publish is not None:
+            try:
+                _phase("after_publish")
+                after_publish(final)
+            except Exception as exc:  # noqa: BLE001
+                error = f"after publishing (the checkpoint itself is published): {_describe(exc)}"
     _raise_if_any(ctx, error, "publishing", name)
     return final
 
