@@ -8,7 +8,9 @@ the one place that talks to DCP.
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,52 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A DCP ``.metadata`` file asks to unpickle something other than DCP's own metadata."""
+
+
+# What DCP's own .metadata pickle refers to (torch 2.4 - 2.13); anything else is refused, so a
+# crafted checkpoint cannot run code when it is loaded.
+_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(f"DCP metadata refers to {module}.{name}; refusing to unpickle it")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's reader with a restricted unpickler for ``.metadata``, refusing pickled (bytes)
+    entries, which DCP would unpickle with weights_only=False. We never write any."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = Path(self.path) / ".metadata"
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpointError(f"{path}: not DCP metadata")
+        for key, entry in metadata.state_dict_metadata.items():
+            if isinstance(entry, BytesStorageMetadata):
+                raise UnsafeCheckpointError(f"{path}: entry {key!r} is pickled bytes; refusing to load it")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
 
 OPTIM_DIR = "optim"
 SKELETON = f"{OPTIM_DIR}/skeleton.json"
@@ -70,7 +118,8 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
                 tensors[spec["tensor"]] = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
             else:
                 state[fqn][name] = spec["value"]
-    reader = dcp.FileSystemReader(str(directory / OPTIM_DIR))
+    reader = SafeFileSystemReader(str(directory / OPTIM_DIR))
+    reader.read_metadata()  # refuse a crafted .metadata here, with our error, before DCP wraps it
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(tensors, storage_reader=reader, process_group=group)
