@@ -27,6 +27,12 @@ from resilience.checkpoint.manifest import write_manifest
 from resilience.checkpoint.pointers import write_pointer
 from resilience.distributed import DistContext
 
+try:  # DCP's CheckpointException derives from BaseException, not Exception
+    from torch.distributed.checkpoint.api import CheckpointException as _DCPError
+except ImportError:  # pragma: no cover - torch without DCP
+    _DCPError = Exception
+_FAILURES = (Exception, _DCPError)
+
 
 class CheckpointSaveError(RuntimeError):
     """A save failed on at least one rank. Raised on every rank; ``LATEST`` was not moved."""
@@ -64,7 +70,12 @@ def _raise_if_any(ctx: DistContext, error: str | None, what: str, name: str) -> 
 
 
 def _describe(exc: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    """One line per root cause: DCP wraps each rank's error (with its traceback) in one exception."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        causes = {_describe(value[0] if isinstance(value, tuple) else value) for value in failures.values()}
+        return "; ".join(sorted(causes))
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
 
 
 def save_checkpoint(
@@ -96,7 +107,7 @@ def save_checkpoint(
             if staging.exists():
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
-        except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
+        except _FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
             error = _describe(exc)
     _raise_if_any(ctx, error, "creating the staging directory", name)
 
@@ -111,7 +122,7 @@ def save_checkpoint(
             for rel in part.write(staging):
                 fsync_file(staging / rel)
                 records.append(record(staging, rel))
-        except Exception as exc:  # noqa: BLE001
+        except _FAILURES as exc:  # noqa: BLE001
             error = error or f"{part.name}: {_describe(exc)}"
     gathered = ctx.all_gather_object((records, error))
     failed = {rank: err for rank, (_, err) in enumerate(gathered) if err}
@@ -134,7 +145,7 @@ def save_checkpoint(
             _rename_into_place(root, staging, final)
             _phase("pointer")
             write_pointer(root, LATEST, final)
-        except Exception as exc:  # noqa: BLE001
+        except _FAILURES as exc:  # noqa: BLE001
             error = _describe(exc)
             # Not left for the next start: a failed save must not hold a checkpoint's worth of disk.
             shutil.rmtree(staging, ignore_errors=True)
@@ -142,7 +153,7 @@ def save_checkpoint(
             try:
                 _phase("after_publish")
                 after_publish(final)
-            except Exception as exc:  # noqa: BLE001
+            except _FAILURES as exc:  # noqa: BLE001
                 error = f"after publishing (the checkpoint itself is published): {_describe(exc)}"
     _raise_if_any(ctx, error, "publishing", name)
     return final

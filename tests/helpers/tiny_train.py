@@ -1,0 +1,79 @@
+"""A small deterministic training run under resilient_loop(), for fault tests (fast to start).
+
+Usage: tiny_train.py CKPT_DIR [dotted overrides...]
+Env: FAIL_PHASE / FAIL_RANK / FAIL_AT_SAVE make that rank raise OSError at that phase of that
+save (phases of resilience.checkpoint.writer); FILL_AFTER_FIRST_SAVE=1 fills the checkpoint's
+filesystem after the first save; RAISE_AT_STEP=N RAISE_RANK=R: rank R raises RuntimeError after backward, before the optimizer
+step, of step N. SLEEP_PER_STEP_S slows steps down.
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from resilience import load_config, resilient_loop
+from resilience.checkpoint import checkpointer, writer
+
+ckpt_dir, overrides = sys.argv[1], sys.argv[2:]
+world = int(os.environ.get("WORLD_SIZE", "1"))
+if world > 1:
+    dist.init_process_group("gloo")
+rank = dist.get_rank() if world > 1 else 0
+torch.set_num_threads(1)
+
+saves = 0
+original_save = checkpointer.Checkpointer.save
+
+
+def counting_save(self, *args, **kwargs):
+    global saves
+    saves += 1
+    result = original_save(self, *args, **kwargs)
+    if saves == 1 and rank == 0 and os.environ.get("FILL_AFTER_FIRST_SAVE"):
+        # leave ~8 KiB free on the checkpoint's filesystem: the next save runs out of space
+        stat = os.statvfs(ckpt_dir)
+        with open(os.path.join(os.path.dirname(os.path.abspath(ckpt_dir)), "filler"), "wb") as fh:
+            fh.write(b"\0" * max(0, stat.f_bavail * stat.f_frsize - 8192))
+    return result
+
+
+def hook(phase):
+    if (
+        phase == os.environ.get("FAIL_PHASE")
+        and rank == int(os.environ.get("FAIL_RANK", "0"))
+        and saves == int(os.environ.get("FAIL_AT_SAVE", "1"))
+    ):
+        raise OSError(28, f"injected failure at {phase} on rank {rank}")
+
+
+checkpointer.Checkpointer.save = counting_save
+writer.fault_hook = hook
+
+cfg = load_config(None, [f"checkpoint.checkpoint_dir={ckpt_dir}", "step_scheduler.num_epochs=1", "step_scheduler.preemption_signal=[USR1, TERM]", *overrides])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+g = torch.Generator().manual_seed(rank)
+batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(40)]
+raise_at = int(os.environ.get("RAISE_AT_STEP", "0"))
+sleep_s = float(os.environ.get("SLEEP_PER_STEP_S", "0"))
+
+loop = resilient_loop(cfg, model=net, optimizer=optimizer, dataloader=batches)
+with loop:
+    for step in loop:
+        x, y = step.batch
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        if step.global_step == raise_at and rank == int(os.environ.get("RAISE_RANK", "0")):
+            raise RuntimeError(f"injected exception in step {raise_at} on rank {rank}")
+        optimizer.step()
+        loop.log(loss=loss.item())
+        if sleep_s:
+            time.sleep(sleep_s)
+print(f"rank {rank}: exit {int(loop.exit_code)}", flush=True)
+sys.exit(int(loop.exit_code))
