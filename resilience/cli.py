@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from resilience import launch
+from resilience import consolidate_cli, launch, templates
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="start N local ranks (torchrun-like), forward USR1/USR2/TERM/INT to them and "
         "exit with their combined code",
     )
+    _add(subparsers, "consolidate", consolidate_cli.add_arguments, consolidate_cli.run, help="write model/consolidated/ (a Hugging Face bundle) from a checkpoint's sharded safetensors; what model/consolidate.sh runs")
+    _add(subparsers, "template", templates.add_arguments, templates.run, help="print a Slurm batch script rendered from a training YAML (resilience template slurm CONFIG.yaml)")
     return parser
 
 

@@ -39,6 +39,54 @@ def _check_bool(key: str, value: Any) -> None:
         raise ConfigError(f"{key}: expected true or false, got {value!r} ({type(value).__name__})")
 
 
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def _check_retention_and_mindspore_keys(cfg: "CheckpointConfig") -> None:
+    """Validate the retention, LOWEST_VAL and MindSpore Transformers keys of ``checkpoint``."""
+    for key in ("is_async", "enable_save", "no_save_optim", "no_load_optim", "load_balanced"):
+        _check_bool(f"checkpoint.{key}", getattr(cfg, key))
+    _check_int("checkpoint.max_recent_checkpoints", cfg.max_recent_checkpoints, minimum=1, allow_none=True)
+    _check_int("checkpoint.save_max", cfg.save_max, minimum=1, allow_none=True)
+    if not isinstance(cfg.best_metric_key, str) or not cfg.best_metric_key:
+        raise ConfigError(f"checkpoint.best_metric_key: expected a metric name, got {cfg.best_metric_key!r}")
+    if cfg.prefix is not None and not isinstance(cfg.prefix, str):
+        raise ConfigError(f"checkpoint.prefix: expected a string or null, got {cfg.prefix!r}")
+    if cfg.load_path is not None and not isinstance(cfg.load_path, (str, os.PathLike)):
+        raise ConfigError(f"checkpoint.load_path: expected a path, \"\" or null, got {cfg.load_path!r}")
+    cfg.load_path = str(cfg.load_path) if cfg.load_path is not None and str(cfg.load_path).strip() else None
+    if cfg.max_recent_checkpoints is not None and cfg.save_max is not None:
+        raise ConfigError(
+            "checkpoint.max_recent_checkpoints and checkpoint.save_max both set: they configure the same retention "
+            "(save_max counts and removes only this run's checkpoints); set one of them"
+        )
+    if cfg.load_path is not None and cfg.restore_from is not None:
+        raise ConfigError("checkpoint.load_path and checkpoint.restore_from both set: both name what to load; set one of them")
+    retention = "max_recent_checkpoints" if cfg.max_recent_checkpoints is not None else "save_max" if cfg.save_max is not None else None
+    if retention and _URL.match(str(cfg.checkpoint_dir)):
+        raise ConfigError(
+            f"checkpoint.{retention} is only supported for local checkpoint directories, and checkpoint.checkpoint_dir "
+            f"is the URL {cfg.checkpoint_dir!r}; unset checkpoint.{retention} or use a local (or mounted) path"
+        )
+
+
+def _save_consolidated(value: Any, model_save_format: str) -> Any:
+    """``checkpoint.save_consolidated`` normalised to ``"final"``, ``"every"`` or ``False``."""
+    text = str(value).strip().lower() if isinstance(value, (str, bool)) else value
+    if value is None:  # not set: NeMo AutoModel's default, where there is something to consolidate
+        return "final" if model_save_format == "safetensors" else False
+    if text not in ("final", "every", "true", "false"):
+        raise ConfigError(f"checkpoint.save_consolidated: expected final, every, false (or legacy true = every), got {value!r}")
+    if text == "false":
+        return False
+    if model_save_format != "safetensors":
+        raise ConfigError(
+            f"checkpoint.save_consolidated: {value!r} needs checkpoint.model_save_format: safetensors, "
+            f"got {model_save_format!r}; set checkpoint.save_consolidated: false or use safetensors"
+        )
+    return "every" if text == "true" else text
+
+
 @dataclasses.dataclass(kw_only=True)
 class StepSchedulerConfig:
     """When to step, stop and save. YAML section ``step_scheduler`` (NeMo AutoModel names)."""
@@ -54,8 +102,15 @@ class StepSchedulerConfig:
     agreement_every_steps: int = 1
     """Cadence, in steps, of the non-blocking cross-rank stop agreement (default 1). A signal stops
     every rank within 2 x this many steps; larger values make the per-step cost smaller."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all ranks (MindSpore ``training.global_batch_size``). Recorded in
+    each checkpoint; resuming with a different value rescales ``global_step`` by old/new (default null)."""
+    val_every_steps: int | None = None
+    """Validate every N global steps: sets ``Step.is_val_step`` for the training loop (default null)."""
 
     def __post_init__(self) -> None:
+        _check_int("step_scheduler.global_batch_size", self.global_batch_size, minimum=1, allow_none=True)
+        _check_int("step_scheduler.val_every_steps", self.val_every_steps, minimum=1, allow_none=True)
         _check_int("step_scheduler.num_epochs", self.num_epochs, minimum=1)
         _check_int("step_scheduler.max_steps", self.max_steps, minimum=1, allow_none=True)
         _check_int("step_scheduler.ckpt_every_steps", self.ckpt_every_steps, minimum=1, allow_none=True)
@@ -81,21 +136,53 @@ class CheckpointConfig:
     ``LATEST``. It must exist and be valid: a missing one is an error, never a fresh start."""
     resume: bool = True
     """Resume automatically from ``LATEST`` when it exists (default true)."""
+    max_recent_checkpoints: int | None = None
+    """Keep the newest N checkpoints plus every pointer target (``LATEST``, ``LOWEST_VAL``, any other
+    top-level symlink or ``.txt`` pointer); null keeps everything (default). Local directories only."""
+    best_metric_key: str = "default"
+    """The validation metric that decides ``LOWEST_VAL`` (lower is better) when ``log_validation``
+    gets several; with one metric that one is used (NeMo AutoModel semantics)."""
+    is_async: bool = False
+    """Asynchronous saving (MindSpore ``async_save``). Accepted; saves are synchronous for now."""
+    enable_save: bool = True
+    """MindSpore Transformers: write checkpoints (default true). False still resumes/loads."""
+    save_max: int | None = None
+    """MindSpore Transformers: keep the newest N checkpoints *of this run* (MindSpore's default is 5,
+    ours null = keep all). Checkpoints of other runs are never removed."""
+    no_save_optim: bool = False
+    """MindSpore Transformers: save model weights without the optimizer state."""
+    no_load_optim: bool = False
+    """MindSpore Transformers: load only the weights of the ``load_path``/``restore_from`` checkpoint;
+    the optimizer, step counters, data position and RNG start fresh."""
+    load_path: str | None = None
+    """MindSpore Transformers: a checkpoint directory, or a root whose ``LATEST`` is followed, to load
+    when ``checkpoint_dir`` holds no checkpoint of its own yet ("" or null: none)."""
+    load_balanced: bool = False
+    """MindSpore Transformers: accepted; a no-op (there are no redundant shards to balance here)."""
+    prefix: str | None = "checkpoint"
+    """MindSpore Transformers' file-name prefix: accepted, changes no name (the layout is NeMo's)."""
     model_save_format: str = "safetensors"
-    """Model weights format. Only ``safetensors`` for now."""
+    """Model weights format: ``safetensors`` (per-rank shards ``model/shard-0000K-model-0000I-of-0000N.safetensors``
+    plus ``model/consolidate.sh``; default) or ``torch_save`` (DCP ``model/*.distcp``)."""
+    save_consolidated: Any = None
+    """Hugging Face bundle in ``model/consolidated/``: ``final`` (the final checkpoint of a run only),
+    ``every`` (legacy ``true``: every checkpoint) or ``false``. Default ``final`` with safetensors;
+    needs ``model_save_format: safetensors``."""
 
     def __post_init__(self) -> None:
         _check_bool("checkpoint.enabled", self.enabled)
         _check_bool("checkpoint.resume", self.resume)
+        _check_retention_and_mindspore_keys(self)
         if not isinstance(self.checkpoint_dir, (str, os.PathLike)) or not str(self.checkpoint_dir).strip():
             raise ConfigError(f"checkpoint.checkpoint_dir: expected a non-empty path, got {self.checkpoint_dir!r}")
         self.checkpoint_dir = str(self.checkpoint_dir)
         if self.restore_from is not None and not isinstance(self.restore_from, (str, os.PathLike)):
             raise ConfigError(f"checkpoint.restore_from: expected a path or null, got {self.restore_from!r}")
-        if self.model_save_format not in ("safetensors",):
+        if self.model_save_format not in ("safetensors", "torch_save"):
             raise ConfigError(
-                f"checkpoint.model_save_format: expected 'safetensors', got {self.model_save_format!r}"
+                f"checkpoint.model_save_format: expected 'safetensors' or 'torch_save', got {self.model_save_format!r}"
             )
+        self.save_consolidated = _save_consolidated(self.save_consolidated, self.model_save_format)
 
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
@@ -226,9 +313,12 @@ def config_from_dict(data: Mapping[str, Any] | None) -> ResilienceConfig:
 
     Raises:
         ConfigError: an unknown key inside one of our sections (with the closest known key), a
-            top-level name close to one of ours, or a value of the wrong type or range.
+            top-level name close to one of ours, or a value of the wrong type or range;
+            MindSpore Transformers and NeMo spellings of one setting that disagree.
     """
-    data = dict(data or {})
+    from resilience.mindspore_compat import normalize_aliases  # imports ConfigError from here
+
+    data = normalize_aliases(dict(data or {}))
     sections = {}
     extra = {}
     for key, value in data.items():

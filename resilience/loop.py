@@ -28,12 +28,14 @@ import torch
 
 from resilience.agreement import StopAgreement
 from resilience.checkpoint import Checkpointer, TrainingState
+from resilience.checkpoint.best import VALIDATION_LOG, append_jsonl
 from resilience.config import ResilienceConfig, config_from_dict
 from resilience.distributed import DistContext
 from resilience.exit_codes import ExitCode
 from resilience.signals import SignalRecorder
 from resilience.handshake import mark_ready_and_check_stop
 from resilience.slurm import run_id_from_env, signal_reach_warning
+from resilience.mindspore_compat import rescale_for_global_batch_size
 from resilience.state.data_position import resume_iterator, set_epoch
 from resilience.state.step_scheduler import StepScheduler
 
@@ -55,6 +57,9 @@ class Step:
     epoch: int
     batch_index: int
     batch: Any
+    is_val_step: bool = False
+    """True when ``step_scheduler.val_every_steps`` divides ``global_step`` (NeMo AutoModel's name):
+    validate in this step's body and ``log_validation`` the result."""
 
 
 class ResilientLoop:
@@ -65,6 +70,7 @@ class ResilientLoop:
         self.state = state
         self.ctx = ctx if ctx is not None else DistContext.from_env()
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, run_config=config.to_dict(), run_id=run_id_from_env())
+        self.checkpointer.global_batch_size = config.step_scheduler.global_batch_size
         self.scheduler = StepScheduler(config.step_scheduler.num_epochs, config.step_scheduler.max_steps)
         self.exit_code: ExitCode | None = None
         """Set when the loop ends: DONE, PREEMPTED (a checkpoint of the stop step is published) or FAILED."""
@@ -72,6 +78,7 @@ class ResilientLoop:
         self.stop_step: int | None = None
         """The agreed stop step when preempted (every rank has the same)."""
         self._generator: Iterator[Step] | None = None
+        self._in_step = False  # the user's body of a step is running (its step is global_step + 1)
 
     # -- public --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
@@ -97,13 +104,39 @@ class ResilientLoop:
             self.exit_code = ExitCode.FAILED
 
     def log(self, **metrics: Any) -> None:
-        """Record metrics of the current step (rank 0 appends them to ``training.jsonl``)."""
-        if self.ctx.rank != 0 or not self.config.checkpoint.enabled:
+        """Record metrics of the current step (rank 0 appends them to ``training.jsonl``; the rows
+        since the previous checkpoint also go into the next checkpoint's ``losses.json``)."""
+        if self.ctx.rank != 0 or not self.config.checkpoint.enabled or not self.config.checkpoint.enable_save:
             return
-        row = {"global_step": self.scheduler.global_step + 1, "epoch": self.scheduler.epoch, **metrics}
+        row = {"global_step": self._current_step(), "epoch": self.scheduler.epoch, **metrics}
         self.checkpointer.root.mkdir(parents=True, exist_ok=True)
         with open(self.checkpointer.root / TRAINING_LOG, "a") as fh:
             fh.write(json.dumps(row) + "\n")
+        self.checkpointer.training_rows.append(row)
+
+    def log_validation(self, **metrics: Any) -> None:
+        """Record validation metrics of the current step (NeMo AutoModel's ``LOWEST_VAL``).
+
+        Rank 0 appends them to ``validation.jsonl`` at the checkpoint root, and the checkpoint of
+        this step (periodic, preemption or final) records them in its manifest; once it is
+        published, ``LOWEST_VAL`` moves to it when its metric is the lowest so far. With one
+        metric that one decides; with several, the one named ``checkpoint.best_metric_key``.
+        NaN/Inf never become the best. Call it inside a step's body (``step.is_val_step`` says
+        when), on rank 0 at least: other ranks' calls are ignored. Values may be floats or
+        one-element tensors.
+
+        Raises:
+            ValueError: no metric, or several and none named ``checkpoint.best_metric_key``.
+        """
+        if self.ctx.rank != 0 or not self.config.checkpoint.enabled or not self.config.checkpoint.enable_save:
+            return
+        step = self._current_step()
+        self.checkpointer.record_validation(step, metrics)
+        append_jsonl(self.checkpointer.root / VALIDATION_LOG, {"global_step": step, "epoch": self.scheduler.epoch, **metrics})
+
+    def _current_step(self) -> int:
+        """The global step metrics belong to: the running step inside a body, else the last done."""
+        return self.scheduler.global_step + 1 if self._in_step else self.scheduler.global_step
 
     # -- the data path -------------------------------------------------------------------------
     def _run(self) -> Iterator[Step]:
@@ -128,7 +161,11 @@ class ResilientLoop:
                     restored = None
                 position = None
                 for batch in iterator:
-                    yield Step(scheduler.global_step + 1, scheduler.epoch, scheduler.batches_in_epoch, batch)
+                    number = scheduler.global_step + 1
+                    is_val_step = bool(sched_cfg.val_every_steps) and number % sched_cfg.val_every_steps == 0
+                    self._in_step = True
+                    yield Step(number, scheduler.epoch, scheduler.batches_in_epoch, batch, is_val_step)
+                    self._in_step = False
                     scheduler.finish_step()
                     stop = agreement.update(scheduler.global_step, STOP_PREEMPTION if (signals or stop_before_start) else 0)
                     if scheduler.done:
@@ -154,9 +191,22 @@ class ResilientLoop:
         if directory is None:
             return None
         restored = self.checkpointer.load(directory, self.state)
-        self.scheduler.load_state_dict(restored.step_scheduler)
         self.resumed_from = directory
-        if self.checkpointer.run_id is None:
+        if restored.weights_only:  # no_load_optim: weights from load_path/restore_from, all else fresh
+            self._truncate_log(0)
+            log.info("rank %d: loaded the weights of %s (no_load_optim); training starts at step 0", self.ctx.rank, directory)
+            return None
+        old_gbs, new_gbs = restored.meta.get("global_batch_size"), self.config.step_scheduler.global_batch_size
+        if old_gbs and new_gbs and old_gbs != new_gbs:  # MindSpore: same samples consumed, rescaled steps
+            restored.step_scheduler, restored.data_position = rescale_for_global_batch_size(
+                restored.step_scheduler, restored.data_position, old_gbs, new_gbs
+            )
+            log.warning(
+                "rank %d: global_batch_size %d -> %d: global_step %d -> %d", self.ctx.rank, old_gbs, new_gbs,
+                restored.meta["global_step"], restored.step_scheduler["global_step"],
+            )
+        self.scheduler.load_state_dict(restored.step_scheduler)
+        if self.checkpointer.run_id is None and self.checkpointer.resume_source != "load_path":
             self.checkpointer.run_id = restored.meta.get("run_id")  # one run id across restarts
         self._truncate_log(self.scheduler.global_step)
         log.info("rank %d: resumed from %s (global step %d)", self.ctx.rank, directory.name, self.scheduler.global_step)
@@ -177,13 +227,14 @@ class ResilientLoop:
 
     def _truncate_log(self, global_step: int) -> None:
         """Drop log rows of steps after the resumed one (they were redone after a crash)."""
-        path = self.checkpointer.root / TRAINING_LOG
-        if self.ctx.rank != 0 or not path.exists():
-            return
-        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("global_step", 0) <= global_step]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(r + "\n" for r in rows))
-        os.replace(tmp, path)
+        for name in (TRAINING_LOG, VALIDATION_LOG):
+            path = self.checkpointer.root / name
+            if self.ctx.rank != 0 or not path.exists():
+                continue
+            rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("global_step", 0) <= global_step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(r + "\n" for r in rows))
+            os.replace(tmp, path)
 
 
 def _safe_len(loader: Any) -> int | None:
@@ -201,6 +252,7 @@ def resilient_loop(
     lr_scheduler: Any = None,
     dataloader: Any,
     extra_state: dict[str, Any] | None = None,
+    tokenizer: Any = None,
 ) -> ResilientLoop:
     """Wrap a training loop with preemption handling, checkpointing and exact resume.
 
@@ -211,7 +263,9 @@ def resilient_loop(
         lr_scheduler: anything with a JSON-able ``state_dict()`` (optional).
         dataloader: iterable of batches; a ``StatefulDataLoader`` or any loader whose sampler
             has ``set_epoch`` (``DistributedSampler``) resumes mid-epoch exactly.
-        extra_state: name -> object with ``state_dict()``/``load_state_dict()`` (JSON-able).
+        extra_state: name -> object with ``state_dict()``/``load_state_dict()`` (NeMo's "Save
+            Additional States"); its state may hold tensors, numbers, strings and containers.
+        tokenizer: a Hugging Face tokenizer; its files are saved with the model (optional).
 
     Returns a :class:`ResilientLoop`; iterate it for :class:`Step` objects, then exit with
     ``loop.exit_code``. Constructing it is a collective when torch.distributed is initialised.
@@ -223,5 +277,5 @@ def resilient_loop(
     """
     if not isinstance(config, ResilienceConfig):
         config = config_from_dict(config)
-    state = TrainingState(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, extra=dict(extra_state or {}))
+    state = TrainingState(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, extra=dict(extra_state or {}), tokenizer=tokenizer)
     return ResilientLoop(config, state)

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from resilience.checkpoint import model_io, optim_io
-from resilience.checkpoint.layout import checkpoint_name, rank_file
-from resilience.checkpoint.reader import find_resume_checkpoint
+from resilience.checkpoint import model_io, optim_io, retention
+from resilience.checkpoint.best import LowestVal, json_safe, select_metric
+from resilience.checkpoint.extra_state import load_extra_state, save_extra_state
+from resilience.checkpoint.layout import MANIFEST, checkpoint_name, parse_checkpoint_name, rank_file
+from resilience.checkpoint.reader import CheckpointNotFound, find_resume_checkpoint
 from resilience.checkpoint.writer import Part, remove_leftovers, save_checkpoint
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
@@ -29,6 +33,12 @@ from resilience.state.step_scheduler import StepScheduler
 STEP_SCHEDULER = "step_scheduler.json"
 CONFIG = "config.yaml"
 EXTRA_DIR = "extra"
+COMMON = "common.json"
+"""MindSpore Transformers' per-checkpoint training info (``CommonInfo``)."""
+LOSSES = "losses.json"
+"""NeMo AutoModel's per-checkpoint losses (``train_loss``, ``val_loss``), plus the training rows."""
+
+log = logging.getLogger("resilience.checkpoint")
 
 
 @dataclasses.dataclass
@@ -36,7 +46,8 @@ class TrainingState:
     """The objects a checkpoint captures. Any may be ``None`` except ``model``.
 
     ``extra`` maps a name to any object with ``state_dict()``/``load_state_dict()`` whose state
-    is JSON-serialisable (saved by rank 0 as ``extra/<name>.json``).
+    holds tensors, numbers, strings and containers of these (saved by rank 0 as
+    ``extra/<name>.json`` plus ``extra/<name>.safetensors`` for its tensors).
     """
 
     model: torch.nn.Module
@@ -44,6 +55,8 @@ class TrainingState:
     lr_scheduler: Any = None
     dataloader: Any = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tokenizer: Any = None
+    """A Hugging Face tokenizer (anything with ``save_pretrained``): its files go next to the model."""
 
 
 @dataclasses.dataclass
@@ -56,6 +69,8 @@ class Restored:
     rng_file: Path | None
     """This rank's RNG file; applied by the loop at the point the save captured it."""
     meta: dict[str, Any]
+    weights_only: bool = False
+    """Only the model weights were loaded (``no_load_optim``): counters, data, RNG start fresh."""
 
 
 class Checkpointer:
@@ -72,6 +87,25 @@ class Checkpointer:
         self.run_config = run_config or {}
         self.run_id = run_id
         self.last_saved_step: int | None = None
+        self.lowest_val = LowestVal(self.root)
+        self.resume_source: str | None = None
+        """Where :meth:`find_resume_point`'s answer came from: ``latest``, ``restore_from``, ``load_path``."""
+        self.training_rows: list[dict[str, Any]] = []
+        """Rank 0: rows logged since the last save (they go into its ``losses.json``)."""
+        self.validation: dict[int, dict[str, Any]] = {}
+        """Rank 0: validation metrics by global step, waiting for that step's checkpoint."""
+        self.global_batch_size: int | None = None
+        """Samples per optimizer step over all ranks (``step_scheduler.global_batch_size``), set by the loop."""
+
+    def record_validation(self, global_step: int, metrics: dict[str, Any]) -> tuple[str, float | None]:
+        """Remember ``metrics`` for the checkpoint of ``global_step``; returns the deciding metric.
+
+        Raises:
+            ValueError: several metrics and none named ``checkpoint.best_metric_key``.
+        """
+        chosen = select_metric(metrics, self.config.best_metric_key)
+        self.validation[global_step] = dict(metrics)
+        return chosen
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, state: TrainingState, scheduler: StepScheduler, *, reason: str = "periodic") -> Path | None:
@@ -80,13 +114,13 @@ class Checkpointer:
         Raises:
             CheckpointSaveError: on every rank when any rank failed; ``LATEST`` is unchanged.
         """
-        if not self.config.enabled:
+        if not self.config.enabled or not self.config.enable_save:
             return None
         if self.ctx.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-        # After the last batch of an epoch the scheduler already points at the next epoch;
-        # the directory is named after the epoch the step ran in.
-        epoch = scheduler.epoch - 1 if scheduler.batches_in_epoch == 0 and scheduler.epoch > 0 else scheduler.epoch
+        if self.run_id is None:
+            self.run_id = uuid.uuid4().hex  # save_max tells this run's checkpoints by it
+        epoch = _epoch_of(scheduler)
         name = checkpoint_name(epoch, scheduler.global_step)
         meta = {
             "epoch": epoch,
@@ -96,28 +130,96 @@ class Checkpointer:
             "saved_at": time.time(),
             "run_id": self.run_id,
             "torch_version": torch.__version__,
+            "global_batch_size": self.global_batch_size,
+            "optimizer_saved": state.optimizer is not None and not self.config.no_save_optim,
         }
-        path = save_checkpoint(self.ctx, self.root, name, self._parts(state, scheduler), meta)
-        self.last_saved_step = scheduler.global_step
+        step = scheduler.global_step
+        value = None
+        if step in self.validation:
+            key, value = select_metric(self.validation[step], self.config.best_metric_key)
+            meta["val_metrics"] = json_safe(self.validation[step])
+            meta["val_metric"] = {"key": key, "value": value}
+        path = save_checkpoint(self.ctx, self.root, name, self._parts(state, scheduler, reason), meta, after_publish=lambda final: self._after_publish(final, value))
+        self.last_saved_step = step
+        self.training_rows = [row for row in self.training_rows if row.get("global_step", 0) > step]
+        self.validation = {s: m for s, m in self.validation.items() if s > step}
         return path
 
-    def _parts(self, state: TrainingState, scheduler: StepScheduler) -> list[Part]:
+    def _after_publish(self, final: Path, value: float | None) -> None:
+        """Rank 0, once ``LATEST`` names ``final``: move ``LOWEST_VAL``, then apply retention."""
+        self.lowest_val.consider(final, value)
+        keep = self.config.max_recent_checkpoints if self.config.max_recent_checkpoints is not None else self.config.save_max
+        if keep is not None:
+            retention.prune(self.root, keep, run_id=self.run_id if self.config.save_max is not None else None)
+
+    def _common(self, state: TrainingState, scheduler: StepScheduler) -> dict[str, Any]:
+        """MindSpore's ``common.json``: ``epoch_num`` is the 1-based epoch of the step, ``step_num``
+        the step's 1-based index within it; ``loss_scale`` comes from a registered ``GradScaler``."""
+        epoch = _epoch_of(scheduler)
+        step_num = scheduler.batches_in_epoch
+        if epoch != scheduler.epoch:  # the step ended its epoch: it was the epoch's last batch
+            step_num = _length(state.dataloader)
+        loss_scale = 1.0
+        for obj in state.extra.values():
+            if callable(getattr(obj, "get_scale", None)):
+                loss_scale = float(obj.get_scale())
+        return {
+            "epoch_num": epoch + 1,
+            "step_num": step_num,
+            "global_step": scheduler.global_step,
+            "loss_scale": loss_scale,
+            "global_batch_size": self.global_batch_size,
+            "ckpt_status": None,
+        }
+
+    def _losses(self, step: int) -> dict[str, Any]:
+        """``losses.json``: NeMo's ``train_loss`` (the last ``loss`` logged at this step) and
+        ``val_loss`` (or every validation metric when there are several), plus ``training``:
+        every row logged since the previous checkpoint of this process (all rows are in
+        ``training.jsonl``)."""
+        rows = [row for row in self.training_rows if row.get("global_step", 0) <= step]
+        losses = [row["loss"] for row in rows if row.get("global_step") == step and "loss" in row]
+        doc: dict[str, Any] = {"global_step": step, "train_loss": losses[-1] if losses else None}
+        metrics = self.validation.get(step)
+        if metrics:
+            if len(metrics) == 1:
+                doc["val_loss"] = next(iter(metrics.values()))
+            else:
+                doc.update(metrics)
+        doc["training"] = rows
+        return json_safe(doc)
+
+    def _parts(self, state: TrainingState, scheduler: StepScheduler, reason: str = "periodic") -> list[Part]:
         rank = self.ctx.rank
         parts = []
-        if state.optimizer is not None:  # collective first: it must run on every rank
+        if state.optimizer is not None and not self.config.no_save_optim:  # collective first: it must run on every rank
             parts.append(Part("optimizer", lambda d: optim_io.save_optimizer(d, state.model, state.optimizer, rank=rank, group=self.ctx.group), collective=True))
+        parts.append(self._model_part(state, reason))  # every rank writes its shard (DCP: collective)
         if rank == 0:
-            parts.append(Part("model", lambda d: model_io.save_model(d, state.model)))
             if state.lr_scheduler is not None:
                 parts.append(Part("lr_scheduler", lambda d: optim_io.save_lr_scheduler(d, state.lr_scheduler)))
             parts.append(Part("step_scheduler", lambda d: _write_json(d, STEP_SCHEDULER, scheduler.state_dict())))
             parts.append(Part("config", lambda d: _write_text(d, CONFIG, yaml.safe_dump(self.run_config, sort_keys=False))))
             for key, obj in state.extra.items():
-                parts.append(Part(f"extra.{key}", lambda d, obj=obj, key=key: _write_json(d, f"{EXTRA_DIR}/{key}.json", obj.state_dict())))
+                parts.append(Part(f"extra.{key}", lambda d, obj=obj, key=key: save_extra_state(d, key, obj.state_dict())))
+            parts.append(Part("common", lambda d: _write_json(d, COMMON, self._common(state, scheduler))))
+            parts.append(Part("losses", lambda d: _write_json(d, LOSSES, self._losses(scheduler.global_step))))
         parts.append(Part("rng", lambda d: _rng(d, rank)))
         if state.dataloader is not None:
             parts.append(Part("dataloader", lambda d: _data(d, rank, state.dataloader, scheduler.batches_in_epoch)))
         return parts
+
+    def _model_part(self, state: TrainingState, reason: str) -> Part:
+        fmt, when = self.config.model_save_format, self.config.save_consolidated
+        consolidated = when == "every" or (when == "final" and reason == "final")
+        return Part(
+            "model",
+            lambda d: model_io.save_model(
+                d, state.model, rank=self.ctx.rank, world_size=self.ctx.world_size, group=self.ctx.group,
+                save_format=fmt, consolidated=consolidated, tokenizer=state.tokenizer,
+            ),
+            collective=fmt == "torch_save",
+        )
 
     # -- resume -------------------------------------------------------------------------------
     def find_resume_point(self) -> Path | None:
@@ -130,12 +232,40 @@ class Checkpointer:
             return None
         if self.ctx.rank == 0:
             remove_leftovers(self.root)
-        if not self.config.resume and self.config.restore_from is None:
-            return None
-        return find_resume_checkpoint(self.ctx, self.root, self.config.restore_from)
+        self.resume_source = None
+        if self.config.restore_from is not None:
+            found, source = find_resume_checkpoint(self.ctx, self.root, self.config.restore_from), "restore_from"
+        else:
+            found = find_resume_checkpoint(self.ctx, self.root, None) if self.config.resume else None
+            source = "latest"
+            # MindSpore's load_path: only while checkpoint_dir has nothing of its own, so a
+            # requeued run continues from its own LATEST instead of loading load_path again.
+            if found is None and self.config.load_path is not None:
+                found, source = self._find_load_path(), "load_path"
+        self.resume_source = source if found is not None else None
+        return found
+
+    def _find_load_path(self) -> Path:
+        """``load_path`` as a checkpoint directory, or as a root whose ``LATEST`` (with fallback) is followed."""
+        path = Path(self.config.load_path).absolute()
+        if (path / MANIFEST).exists() or parse_checkpoint_name(path.name):
+            return find_resume_checkpoint(self.ctx, self.root, str(path), key="checkpoint.load_path")
+        found = find_resume_checkpoint(self.ctx, path, None)
+        if found is None:
+            raise CheckpointNotFound(
+                f"checkpoint.load_path={self.config.load_path!r}: no valid checkpoint there (neither a checkpoint "
+                "directory nor a root holding LATEST or epoch_<E>_step_<S> checkpoints)"
+            )
+        return found
 
     def load(self, directory: Path, state: TrainingState) -> Restored:
         """Restore model, optimizer, LR scheduler and extra state from ``directory`` in place.
+
+        With ``no_load_optim`` and a checkpoint named by ``load_path`` or ``restore_from``, only the
+        weights are loaded (MindSpore Transformers); a resume from this run's own ``LATEST`` is
+        always complete. A checkpoint saved with ``no_save_optim`` resumes with a fresh optimizer
+        (and a warning). Either way an optimizer's ``reload_main_params_from_model()``, where it
+        has one, rebuilds its FP32 master copy from the loaded weights.
 
         Raises:
             ValueError: the checkpoint was written with a different world size.
@@ -147,13 +277,21 @@ class Checkpointer:
                 f"{directory.name} was saved with world size {meta['world_size']}, this run has {self.ctx.world_size}; "
                 "resuming under a different world size is not supported yet"
             )
-        model_io.load_model(directory, state.model)
-        if state.optimizer is not None:
+        model_io.load_model(directory, state.model, group=self.ctx.group)
+        if self.config.no_load_optim and self.resume_source in ("load_path", "restore_from"):
+            _reload_main_params(state.optimizer)
+            return Restored(directory=directory, step_scheduler=None, data_position=None, rng_file=None, meta=meta, weights_only=True)
+        if state.optimizer is not None and not meta.get("optimizer_saved", True):
+            log.warning("%s holds no optimizer state (saved with no_save_optim or without an optimizer): the optimizer starts fresh", directory.name)
+            _reload_main_params(state.optimizer)
+        elif state.optimizer is not None:
             optim_io.load_optimizer(directory, state.model, state.optimizer, group=self.ctx.group)
         if state.lr_scheduler is not None:
             optim_io.load_lr_scheduler(directory, state.lr_scheduler)
         for key, obj in state.extra.items():
-            obj.load_state_dict(json.loads((directory / EXTRA_DIR / f"{key}.json").read_text()))
+            obj.load_state_dict(load_extra_state(directory, key))
+        if self.ctx.rank == 0 and self.resume_source != "load_path":
+            self.lowest_val.reload()  # the best so far survives the restart
         rank = self.ctx.rank
         data_file = directory / rank_file("dataloader", rank, ".json")
         self.last_saved_step = meta["global_step"]
@@ -170,6 +308,26 @@ class Checkpointer:
         """Apply this rank's saved RNG state."""
         if restored.rng_file is not None:
             load_rng_state(restored.rng_file)
+
+
+def _epoch_of(scheduler: StepScheduler) -> int:
+    """The epoch the last step ran in: after an epoch's last batch the scheduler already points
+    at the next epoch, but the checkpoint is named after the epoch the step ran in."""
+    return scheduler.epoch - 1 if scheduler.batches_in_epoch == 0 and scheduler.epoch > 0 else scheduler.epoch
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _reload_main_params(optimizer: Any) -> None:
+    """MindSpore's hook: an optimizer with an FP32 master copy rebuilds it from the model."""
+    reload = getattr(optimizer, "reload_main_params_from_model", None)
+    if callable(reload):
+        reload()
 
 
 def _write_json(directory: Path, rel: str, obj: Any) -> list[str]:

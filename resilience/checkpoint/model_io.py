@@ -1,49 +1,254 @@
-"""Model weights as safetensors under ``model/``.
+"""Model weights under ``model/``, in NeMo AutoModel's layouts (``checkpoint.model_save_format``).
 
-A replicated model (plain or DDP) is written once, by rank 0, as a single shard; keys are the
-plain module FQNs (no ``module.`` prefix), via ``torch.distributed.checkpoint.state_dict``.
+``safetensors`` (default): every rank writes a balanced part of the tensors in parallel::
+
+    model/
+      shard-00001-model-00001-of-00001.safetensors   rank K-1 writes shard-0000K-...; 0000I-of-0000N
+      shard-00002-model-00001-of-00001.safetensors   is the consolidated file the tensors belong to
+      shard_index.json        tensor -> shard file, dtype, shape, consolidated file, original dtype
+      consolidate.sh          writes model/consolidated/ later (see resilience.checkpoint.consolidate)
+      hf_metadata/            config.json, generation_config.json, tokenizer files (HF objects only)
+      consolidated/           the Hugging Face bundle, when checkpoint.save_consolidated asks for it
+
+Keys are plain module FQNs (no ``module.`` prefix), via ``torch.distributed.checkpoint.state_dict``.
+The model is replicated (plain or DDP), so each rank already holds every tensor: the split into
+parts is a deterministic plan every rank computes alike, and rank 0 alone writes the index.
+Loading reads every shard on every rank, so it works under any world size. The consolidated file
+grouping (``0000I-of-0000N``) mirrors the original Hugging Face checkpoint when its headers are
+known, else groups of at most 5 GB (``save_pretrained``'s classic ``max_shard_size``).
+
+``torch_save``: the model as DCP files (``model/.metadata``, ``model/__<rank>_0.distcp``), written
+and read collectively; only tensors go in, so nothing but DCP's own ``.metadata`` is unpickled.
+
+A ``peft.PeftModel``: only its adapters, as ``peft`` writes them (``model/adapter_model.safetensors``,
+``model/adapter_config.json``, tokenizer files), loadable with ``AutoPeftModelForCausalLM``.
 """
 
 from __future__ import annotations
 
+import importlib.resources
+import json
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import DTensor
+
+from resilience.checkpoint import consolidate as consolidation
+from resilience.checkpoint import hf_export
 from resilience.checkpoint.layout import model_shard_name
 
 MODEL_DIR = "model"
+SHARD_INDEX = f"{MODEL_DIR}/{consolidation.SHARD_INDEX}"
+HF_METADATA_DIR = f"{MODEL_DIR}/{consolidation.HF_METADATA}"
+CONSOLIDATED_DIR = f"{MODEL_DIR}/{consolidation.CONSOLIDATED}"
+CONSOLIDATE_SH = f"{MODEL_DIR}/consolidate.sh"
+MAX_FILE_BYTES = 5 * 10**9
+SAVE_FORMATS = ("safetensors", "torch_save")
+_INDEX_FORMAT = "resilience.sharded_safetensors"
 
 
-def model_file() -> str:
-    """Relative path of the single shard of a replicated model."""
-    return f"{MODEL_DIR}/{model_shard_name(1, 1)}"
+def model_file(shard: int = 1, file_index: int = 1, num_files: int = 1) -> str:
+    """Relative path of one shard; the defaults name the only shard of a 1-rank, 1-file model."""
+    return f"{MODEL_DIR}/{model_shard_name(shard, 0, file_index, num_files)}"
 
 
-def save_model(staging: Path, model: torch.nn.Module) -> list[str]:
-    """Write the model's weights; returns the relative paths written (the caller fsyncs)."""
-    state = get_model_state_dict(model)
-    tensors = {}
-    seen: dict[tuple[int, int], str] = {}
-    for key, value in state.items():
-        tensor = value.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        # safetensors refuses aliased storage (tied weights): store a copy of the second alias.
-        alias = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if alias in seen or not tensor.is_contiguous():
-            tensor = tensor.contiguous().clone()
-        seen[alias] = key
-        tensors[key] = tensor
-    rel = model_file()
+def save_model(
+    staging: Path,
+    model: torch.nn.Module,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    group: Any = None,
+    save_format: str = "safetensors",
+    consolidated: bool = False,
+    tokenizer: Any = None,
+    max_file_bytes: int = MAX_FILE_BYTES,
+) -> list[str]:
+    """Write this rank's part of the model into ``staging/model/``; returns the relative paths written
+    (the caller fsyncs and hashes them).
+
+    Call it on every rank: with ``save_format="torch_save"`` it is a collective over ``group``.
+    ``consolidated`` adds ``model/consolidated/`` (rank 0, safetensors only); ``tokenizer`` (any
+    object with ``save_pretrained``) adds its files. A PEFT model writes only its adapters (rank 0).
+
+    Raises:
+        ValueError: an unknown ``save_format``.
+        NotImplementedError: a sharded (DTensor / FSDP) model with ``save_format="safetensors"``.
+    """
+    if save_format not in SAVE_FORMATS:
+        raise ValueError(f"model_save_format: {save_format!r}; accepted: {', '.join(SAVE_FORMATS)}")
+    if hf_export.is_peft_model(model):
+        if rank != 0:
+            return []
+        written = hf_export.save_adapter(staging / MODEL_DIR, model)
+        if tokenizer is not None:
+            written += hf_export.write_hf_metadata(staging / MODEL_DIR, model, tokenizer, model_files=False)
+        return sorted({f"{MODEL_DIR}/{rel}" for rel in written})
     (staging / MODEL_DIR).mkdir(exist_ok=True)
-    save_file(tensors, str(staging / rel), metadata={"format": "pt"})
-    return [rel]
+    if save_format == "torch_save":
+        return _save_dcp(staging, model, rank=rank, group=group)
+    return _save_sharded(staging, model, rank=rank, world_size=world_size, consolidated=consolidated, tokenizer=tokenizer, max_file_bytes=max_file_bytes)
 
 
-def load_model(directory: Path, model: torch.nn.Module) -> None:
-    """Load the weights into ``model`` in place (strict: missing or unexpected keys raise)."""
-    state = load_file(str(directory / model_file()))
-    set_model_state_dict(model, state)
+def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) -> None:
+    """Load the weights saved in ``directory/model/`` into ``model`` in place, whatever the layout
+    (sharded safetensors under any world size, DCP — a collective over ``group`` — or adapters).
+
+    Raises:
+        ValueError: missing or unexpected keys, or adapters for a model that is not a PEFT model.
+    """
+    model_dir = directory / MODEL_DIR
+    if (model_dir / hf_export.ADAPTER_CONFIG).is_file():
+        hf_export.load_adapter(model_dir, model)
+    elif (model_dir / ".metadata").is_file():
+        state = get_model_state_dict(model)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(model_dir)), process_group=group)
+        set_model_state_dict(model, state)
+    else:
+        layout = consolidation.read_layout(model_dir)
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted({info["shard"] for info in layout.values()}):
+            tensors.update(load_file(str(model_dir / shard)))
+        if set(tensors) != set(layout):
+            differ = sorted(set(tensors) ^ set(layout))[:5]
+            raise ValueError(f"{model_dir}: the shards and {consolidation.SHARD_INDEX} disagree on {differ}")
+        set_model_state_dict(model, tensors)
+
+
+# -- torch_save: DCP -------------------------------------------------------------------------------
+def _save_dcp(staging: Path, model: torch.nn.Module, *, rank: int, group: Any) -> list[str]:
+    target = staging / MODEL_DIR
+    writer = dcp.FileSystemWriter(str(target), sync_files=True, single_file_per_rank=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        dcp.save(get_model_state_dict(model), storage_writer=writer, process_group=group)
+    written = [f"{MODEL_DIR}/{p.name}" for p in target.glob(f"__{rank}_*.distcp")]
+    if rank == 0:
+        written.append(f"{MODEL_DIR}/.metadata")
+    return written
+
+
+# -- safetensors: per-rank shards ------------------------------------------------------------------
+def _save_sharded(staging: Path, model: torch.nn.Module, *, rank: int, world_size: int, consolidated: bool, tokenizer: Any, max_file_bytes: int) -> list[str]:
+    state = get_model_state_dict(model)
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            raise NotImplementedError(
+                f"{key} is a DTensor (a sharded FSDP/TP model): model_save_format: safetensors supports "
+                "replicated models (plain or DDP); use model_save_format: torch_save"
+            )
+    originals = hf_export.original_tensors(model)
+    nbytes = {key: t.numel() * t.element_size() for key, t in state.items()}
+    file_of, num_files = _file_plan(list(nbytes.items()), originals, max_file_bytes)
+    owner = _rank_plan(nbytes, world_size)
+    index = {
+        "format": _INDEX_FORMAT,
+        "version": 1,
+        "world_size": world_size,
+        "num_files": num_files,
+        "metadata": {"total_size": sum(nbytes.values())},
+        "weight_map": {key: model_shard_name(owner[key] + 1, world_size, file_of[key], num_files) for key in state},
+        "tensors": {
+            key: {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "file_index": file_of[key],
+                "original_dtype": originals.get(key, {}).get("dtype"),
+            }
+            for key, t in state.items()
+        },
+    }
+    cpu = _cpu_copies(state)
+    written = []
+    mine: dict[str, list[str]] = {}
+    for key in state:
+        if owner[key] == rank:
+            mine.setdefault(index["weight_map"][key], []).append(key)
+    for name, keys in mine.items():
+        originals_here = {k: index["tensors"][k]["original_dtype"] for k in keys if index["tensors"][k]["original_dtype"]}
+        save_file({k: cpu(k) for k in keys}, str(staging / MODEL_DIR / name), metadata={"format": "pt", "original_dtypes": json.dumps(originals_here)})
+        written.append(f"{MODEL_DIR}/{name}")
+    if rank != 0:
+        return written
+    (staging / SHARD_INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    (staging / CONSOLIDATE_SH).write_text(consolidate_script())
+    (staging / CONSOLIDATE_SH).chmod(0o755)
+    written += [SHARD_INDEX, CONSOLIDATE_SH]
+    sidecars = None
+    if hf_export.is_hf_model(model) or tokenizer is not None:
+        sidecars = staging / HF_METADATA_DIR
+        written += [f"{HF_METADATA_DIR}/{rel}" for rel in hf_export.write_hf_metadata(sidecars, model, tokenizer)]
+    if consolidated:
+        layout = consolidation.read_layout(staging / MODEL_DIR)
+        out = staging / CONSOLIDATED_DIR
+        written += [f"{CONSOLIDATED_DIR}/{rel}" for rel in consolidation.write_bundle(out, layout, fetch=cpu, sidecar_dir=sidecars)]
+    return written
+
+
+def consolidate_script() -> str:
+    """The text of ``model/consolidate.sh`` (package data ``resilience/checkpoint/consolidate.sh``)."""
+    return importlib.resources.files("resilience.checkpoint").joinpath("consolidate.sh").read_text()
+
+
+def _cpu_copies(state: dict[str, torch.Tensor]):
+    """``cpu(key)``: the tensor on the CPU, contiguous, never sharing storage with another key
+    (safetensors refuses aliases such as tied weights). Copies are made only when asked for."""
+    first_key: dict[tuple[int, int], str] = {}
+    for key, t in state.items():
+        first_key.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), key)
+
+    def cpu(key: str) -> torch.Tensor:
+        t = state[key].detach()
+        alias = first_key[(t.untyped_storage().data_ptr(), t.storage_offset())] != key
+        t = t.cpu() if t.device.type != "cpu" else t
+        if alias or not t.is_contiguous():
+            t = t.contiguous().clone()
+        return t
+
+    return cpu
+
+
+def _file_plan(sizes: list[tuple[str, int]], originals: dict[str, dict[str, str]], max_file_bytes: int) -> tuple[dict[str, int], int]:
+    """Consolidated file index (1-based) per key, and the number of files.
+
+    The original checkpoint's grouping when known (keys it lacks join its last file), else
+    consecutive groups of at most ``max_file_bytes`` in state-dict order."""
+    file_of: dict[str, int] = {}
+    known = sorted({info["file"] for info in originals.values()})
+    if known and any(key in originals for key, _ in sizes):
+        number = {name: i + 1 for i, name in enumerate(known)}
+        for key, _ in sizes:
+            file_of[key] = number[originals[key]["file"]] if key in originals else len(known)
+    else:
+        current, filled = 1, 0
+        for key, n in sizes:
+            if filled and filled + n > max_file_bytes:
+                current, filled = current + 1, 0
+            file_of[key] = current
+            filled += n
+    used = {index: i + 1 for i, index in enumerate(sorted(set(file_of.values())))}  # no empty files
+    return {key: used[index] for key, index in file_of.items()}, max(len(used), 1)
+
+
+def _rank_plan(nbytes: dict[str, int], world_size: int) -> dict[str, int]:
+    """Writer rank per key: largest tensors first, each to the least loaded rank (ties: lowest
+    rank, then state-dict order), so every rank computes the same balanced split."""
+    load = [0] * world_size
+    owner = {}
+    keys = list(nbytes)
+    for i in sorted(range(len(keys)), key=lambda i: (-nbytes[keys[i]], i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[keys[i]] = rank
+        load[rank] += nbytes[keys[i]]
+    return owner

@@ -22,7 +22,7 @@ class CheckpointNotFound(FileNotFoundError):
     """An explicitly requested checkpoint (``restore_from``) does not exist or is invalid."""
 
 
-def _choose(root: Path, restore_from: str | None) -> tuple[str | None, list[str]]:
+def _choose(root: Path, restore_from: str | None, key: str = "checkpoint.restore_from") -> tuple[str | None, list[str]]:
     """(directory to resume from or None, warnings). Runs on rank 0 only."""
     warnings: list[str] = []
     if restore_from is not None:
@@ -32,7 +32,7 @@ def _choose(root: Path, restore_from: str | None) -> tuple[str | None, list[str]
         try:
             validate(path)
         except CheckpointInvalid as exc:
-            raise CheckpointNotFound(f"checkpoint.restore_from={restore_from!r}: {exc}") from exc
+            raise CheckpointNotFound(f"{key}={restore_from!r}: {exc}") from exc
         return str(path), warnings
 
     candidates: list[Path] = []
@@ -70,16 +70,17 @@ def _choose(root: Path, restore_from: str | None) -> tuple[str | None, list[str]
     return None, warnings
 
 
-def find_resume_checkpoint(ctx: DistContext, root: Path, restore_from: str | None) -> Path | None:
+def find_resume_checkpoint(ctx: DistContext, root: Path, restore_from: str | None, *, key: str = "checkpoint.restore_from") -> Path | None:
     """The checkpoint every rank should resume from, or ``None`` for a fresh start (collective).
 
     Raises:
-        CheckpointNotFound: on every rank, when ``restore_from`` is given but missing or invalid.
+        CheckpointNotFound: on every rank, when ``restore_from`` is given but missing or invalid
+            (the message names it as ``key``, e.g. ``checkpoint.load_path``).
     """
     result: tuple[str | None, list[str], str | None] = (None, [], None)
     if ctx.rank == 0:
         try:
-            chosen, warnings = _choose(root, restore_from)
+            chosen, warnings = _choose(root, restore_from, key)
             result = (chosen, warnings, None)
         except CheckpointNotFound as exc:
             result = (None, [], str(exc))

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file, safe_open
 
 
-def save_rng_state(path: Path) -> None:
-    """Write this process's RNG states to ``path`` (safetensors; the caller fsyncs)."""
+def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """This process's RNG states as (tensors, JSON metadata): a snapshot, safe to write later."""
     py_version, py_state, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     tensors = {
@@ -31,7 +31,18 @@ def save_rng_state(path: Path) -> None:
         "python": json.dumps({"version": py_version, "gauss_next": py_gauss}),
         "numpy": json.dumps({"kind": np_kind, "pos": int(np_pos), "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)}),
     }
+    return tensors, meta
+
+
+def write_rng_state(path: Path, captured: tuple[dict[str, torch.Tensor], dict[str, str]]) -> None:
+    """Write a :func:`capture_rng_state` snapshot to ``path`` (safetensors; the caller fsyncs)."""
+    tensors, meta = captured
     save_file(tensors, str(path), metadata=meta)
+
+
+def save_rng_state(path: Path) -> None:
+    """Write this process's RNG states to ``path`` (safetensors; the caller fsyncs)."""
+    write_rng_state(path, capture_rng_state())
 
 
 def load_rng_state(path: Path) -> None:

@@ -1,0 +1,373 @@
+"""Consolidation: per-rank safetensors shards -> one Hugging Face bundle in ``model/consolidated/``.
+
+The bundle is what ``transformers`` ``from_pretrained``, vLLM and SGLang load::
+
+    model/consolidated/
+      model-00001-of-0000N.safetensors ...   tensors grouped as the shards' file index says
+      model.safetensors.index.json           {"metadata": {"total_size": bytes}, "weight_map": {...}}
+      config.json  generation_config.json    copied from model/hf_metadata/ (a Hugging Face model)
+      tokenizer files                        copied from model/hf_metadata/ (a tokenizer was given)
+
+Dtypes follow NeMo AutoModel's ``consolidate.sh``: each ordinary float tensor (fp16, bf16, fp32,
+fp64) goes back to its original per-tensor dtype when the original Hugging Face headers were
+known at save time, else keeps its saved dtype; ``cast_dtype`` (``CAST_DTYPE``: bf16, fp16, fp32,
+fp64) overrides that for ordinary floats; FP8 and non-float tensors are never changed; a tensor
+whose original was packed or quantized (integer or FP8 storage) but which was saved as float is
+left as saved, with a warning.
+
+The same function serves the inline export of a save (``checkpoint.save_consolidated``), the
+``model/consolidate.sh`` helper and ``resilience consolidate DIR``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from resilience.checkpoint.durable import fsync_dir, fsync_file
+from resilience.checkpoint.hf_export import ADAPTER_CONFIG, ST_DTYPES, read_safetensors_header
+
+log = logging.getLogger("resilience.consolidate")
+
+CONSOLIDATED = "consolidated"
+HF_INDEX = "model.safetensors.index.json"
+HF_METADATA = "hf_metadata"
+SHARD_INDEX = "shard_index.json"
+ORDINARY_FLOATS = ("float16", "bfloat16", "float32", "float64")
+CAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
+class ConsolidateError(ValueError):
+    """A directory cannot be consolidated; the message says which and why."""
+
+
+def hf_file_name(index: int, count: int) -> str:
+    """Hugging Face's sharded weight file name, ``model-0000I-of-0000N.safetensors`` (1-based)."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def parse_cast_dtype(value: str | None) -> str | None:
+    """``CAST_DTYPE`` (``bf16``, ``fp16``, ``fp32``, ``fp64``, or a torch name such as ``bfloat16``)
+    as a torch dtype name; empty or ``None`` -> ``None`` (no cast).
+
+    Raises:
+        ConsolidateError: any other value (the message lists the accepted ones).
+    """
+    if value is None or not str(value).strip():
+        return None
+    text = str(value).strip().lower()
+    if text in CAST_DTYPES:
+        return CAST_DTYPES[text]
+    if text in ORDINARY_FLOATS:
+        return text
+    raise ConsolidateError(f"CAST_DTYPE={value!r}; accepted: {', '.join(CAST_DTYPES)} (or empty for the original dtypes)")
+
+
+def target_dtype(key: str, saved: str, original: str | None, cast: str | None) -> tuple[str, str | None]:
+    """(dtype to export ``key`` in, warning or ``None``) by the policy of the module docstring."""
+    if saved not in ORDINARY_FLOATS:
+        return saved, None  # FP8, integers, bool: exported exactly as saved
+    if original is not None and original not in ORDINARY_FLOATS:
+        return saved, (
+            f"{key}: the original checkpoint stores it as {original} (packed or quantized) but it was "
+            f"saved as {saved}; exported as {saved}, not re-packed"
+        )
+    if cast is not None:
+        return cast, None
+    return (original or saved), None
+
+
+def plan_dtypes(tensors: dict[str, dict[str, Any]], cast: str | None) -> tuple[dict[str, str], list[str]]:
+    """Export dtype per key, plus the warnings, for ``{key: {"dtype": saved, "original_dtype": ...}}``."""
+    targets, notes = {}, []
+    for key, info in tensors.items():
+        targets[key], note = target_dtype(key, info["dtype"], info.get("original_dtype"), cast)
+        if note:
+            notes.append(note)
+    return targets, notes
+
+
+# -- reading a sharded model/ directory ------------------------------------------------------------
+def read_layout(model_dir: Path) -> dict[str, dict[str, Any]]:
+    """``{key: {"shard", "file_index", "num_files", "dtype", "shape", "original_dtype"}}`` of the
+    sharded safetensors in ``model_dir``, from ``shard_index.json`` (or, for a checkpoint written
+    before it existed, from the shards' headers).
+
+    Raises:
+        ConsolidateError: ``model_dir`` holds no sharded safetensors model (PEFT adapters, DCP).
+    """
+    index_path = model_dir / SHARD_INDEX
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        return {key: {**info, "shard": index["weight_map"][key], "num_files": index["num_files"]} for key, info in index["tensors"].items()}
+    if (model_dir / ADAPTER_CONFIG).is_file():
+        raise ConsolidateError(f"{model_dir} holds PEFT adapters: they are already a Hugging Face bundle (load it with peft)")
+    if (model_dir / ".metadata").is_file():
+        raise ConsolidateError(f"{model_dir} holds a DCP model (model_save_format: torch_save); consolidation needs model_save_format: safetensors")
+    shards = sorted(model_dir.glob("shard-*-model-*-of-*.safetensors"))
+    if not shards:
+        raise ConsolidateError(f"{model_dir}: no {SHARD_INDEX} and no shard-*-model-*-of-*.safetensors files")
+    layout = {}
+    for shard in shards:
+        _, _, _, file_index, _, num_files = shard.stem.split("-")
+        header = read_safetensors_header(shard)
+        originals = json.loads(header.get("__metadata__", {}).get("original_dtypes", "{}"))
+        for key, info in header.items():
+            if key != "__metadata__":
+                layout[key] = {
+                    "shard": shard.name, "file_index": int(file_index), "num_files": int(num_files),
+                    "dtype": ST_DTYPES.get(info["dtype"], info["dtype"]), "shape": info["shape"],
+                    "original_dtype": originals.get(key),
+                }
+    return layout
+
+
+def resolve_model_dir(directory: Path) -> Path:
+    """``directory`` itself, or ``directory/model`` when given a checkpoint directory."""
+    directory = Path(directory)
+    if (directory / "model").is_dir() and not (directory / SHARD_INDEX).exists():
+        return directory / "model"
+    return directory
+
+
+def is_complete(out_dir: Path, keys: Iterable[str] | None = None) -> bool:
+    """True when ``out_dir`` holds a whole bundle: the index, and every file it names with exactly
+    the tensors the index gives it (headers only are read); and, given ``keys``, those keys."""
+    try:
+        weight_map = json.loads((out_dir / HF_INDEX).read_text())["weight_map"]
+        if keys is not None and set(weight_map) != set(keys):
+            return False
+        by_file: dict[str, set[str]] = {}
+        for key, name in weight_map.items():
+            by_file.setdefault(name, set()).add(key)
+        for name, want in by_file.items():
+            header = read_safetensors_header(out_dir / name)
+            if set(header) - {"__metadata__"} != want:
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+# -- writing a bundle ------------------------------------------------------------------------------
+def _write_file(path: Path, items: list[tuple[str, str]], fetch: Callable[[str], torch.Tensor], num_threads: int) -> dict[str, int]:
+    """Write one output file of ``items`` ``[(key, export dtype)]``; returns ``{key: bytes}``."""
+
+    def one(item: tuple[str, str]) -> tuple[str, torch.Tensor]:
+        key, dtype = item
+        return key, fetch(key).to(getattr(torch, dtype)).contiguous()
+
+    if num_threads > 1 and len(items) > 1:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=num_threads) as pool:
+            tensors = dict(pool.map(one, items))
+    else:
+        tensors = dict(map(one, items))
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return {key: t.numel() * t.element_size() for key, t in tensors.items()}
+
+
+def _export_file(job: tuple[str, str, list[tuple[str, str, str]], int]) -> dict[str, int]:
+    """Worker (also run in-process): one output file from the shards of ``model_dir``."""
+    model_dir, out_path, items, num_threads = job
+    shard_of = {key: shard for key, shard, _ in items}
+
+    def fetch(key: str) -> torch.Tensor:
+        with safe_open(os.path.join(model_dir, shard_of[key]), framework="pt") as fh:
+            return fh.get_tensor(key)
+
+    return _write_file(Path(out_path), [(key, dtype) for key, _, dtype in items], fetch, num_threads)
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress as log lines instead
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, desc="consolidating", dynamic_ncols=True)
+
+
+def write_bundle(
+    out_dir: Path,
+    layout: dict[str, dict[str, Any]],
+    *,
+    fetch: Callable[[str], torch.Tensor] | None = None,
+    model_dir: Path | None = None,
+    cast_dtype: str | None = None,
+    sidecar_dir: Path | None = None,
+    nproc: int = 1,
+    num_threads: int = 5,
+    progress: bool = False,
+) -> list[str]:
+    """Write the Hugging Face bundle of ``layout`` (see :func:`read_layout`) into ``out_dir``.
+
+    Tensors come from ``fetch(key)`` (in memory, one process) or from the shards in ``model_dir``
+    (``nproc`` worker processes, one output file at a time each, ``num_threads`` reader threads
+    each). ``sidecar_dir``'s files (config, tokenizer) are copied in; ``config.json``'s ``dtype``
+    is set to the exported float dtype. Returns the file names written, relative to ``out_dir``.
+    """
+    cast = parse_cast_dtype(cast_dtype)
+    targets, notes = plan_dtypes(layout, cast)
+    for line in notes:
+        log.warning(line)
+    num_files = max((info["num_files"] for info in layout.values()), default=1)
+    by_file: dict[int, list[str]] = {}
+    for key in sorted(layout):
+        by_file.setdefault(layout[key]["file_index"], []).append(key)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    nbytes = {k: _numel(layout[k]["shape"]) * getattr(torch, targets[k]).itemsize for k in layout}
+    bar = _progress(sum(nbytes.values()), progress)
+    sizes: dict[str, int] = {}
+
+    def done(index: int, file_sizes: dict[str, int]) -> None:
+        sizes.update(file_sizes)
+        _advance(bar, sum(nbytes[k] for k in file_sizes), index, num_files)
+
+    try:
+        if fetch is not None:
+            for index, keys in by_file.items():
+                done(index, _write_file(out_dir / hf_file_name(index, num_files), [(k, targets[k]) for k in keys], fetch, 1))
+        else:
+            jobs = {
+                index: (str(model_dir), str(out_dir / hf_file_name(index, num_files)), [(k, layout[k]["shard"], targets[k]) for k in keys], num_threads)
+                for index, keys in by_file.items()
+            }
+            if nproc > 1 and len(jobs) > 1:
+                context = multiprocessing.get_context("spawn")  # fork would copy torch's thread pools mid-use
+                with concurrent.futures.ProcessPoolExecutor(max_workers=min(nproc, len(jobs)), mp_context=context) as pool:
+                    futures = {pool.submit(_export_file, job): index for index, job in jobs.items()}
+                    for future in concurrent.futures.as_completed(futures):
+                        done(futures[future], future.result())
+            else:
+                for index, job in jobs.items():
+                    done(index, _export_file(job))
+    finally:
+        if bar is not None:
+            bar.close()
+    weight_map = {key: hf_file_name(layout[key]["file_index"], num_files) for key in sorted(layout)}
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    (out_dir / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    written = sorted(set(weight_map.values())) + [HF_INDEX]
+    if sidecar_dir is not None and sidecar_dir.is_dir():
+        written += _copy_sidecars(sidecar_dir, out_dir, targets)
+    return written
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def _advance(bar: Any, nbytes: int, index: int, num_files: int) -> None:
+    if bar is not None:
+        bar.update(nbytes)
+    else:
+        log.info("consolidated %s", hf_file_name(index, num_files))
+
+
+def _copy_sidecars(sidecar_dir: Path, out_dir: Path, targets: dict[str, str]) -> list[str]:
+    written = []
+    for src in sorted(p for p in sidecar_dir.rglob("*") if p.is_file()):
+        rel = src.relative_to(sidecar_dir)
+        dst = out_dir / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if rel.as_posix() == "config.json":
+            config = json.loads(src.read_text())
+            dtype = _dominant_float(targets)
+            if dtype is not None:  # the dtype from_pretrained(dtype="auto") will pick
+                config["dtype"] = dtype
+                if "torch_dtype" in config:
+                    config["torch_dtype"] = dtype
+            dst.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        else:
+            shutil.copyfile(src, dst)
+        written.append(rel.as_posix())
+    return written
+
+
+def _dominant_float(targets: dict[str, str]) -> str | None:
+    counts: dict[str, int] = {}
+    for dtype in targets.values():
+        if dtype in ORDINARY_FLOATS:
+            counts[dtype] = counts.get(dtype, 0) + 1
+    return max(counts, key=lambda d: (counts[d], d)) if counts else None
+
+
+# -- offline consolidation (consolidate.sh, ``resilience consolidate``) ---------------------------
+def consolidate(
+    directory: str | os.PathLike,
+    output_dir: str | os.PathLike | None = None,
+    *,
+    nproc: int = 1,
+    num_threads: int = 5,
+    cast_dtype: str | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write ``<model dir>/consolidated/`` (or ``output_dir``) from a checkpoint's sharded safetensors.
+
+    Args:
+        directory: a checkpoint's ``model/`` directory, or the checkpoint directory holding it.
+        output_dir: where the bundle goes (default ``<model dir>/consolidated``).
+        nproc: worker processes (``NPROC_PER_NODE``; default 1), each writing whole output files.
+        num_threads: reader threads per worker (``NUM_THREADS``; default 5).
+        cast_dtype: ``CAST_DTYPE`` (see :func:`parse_cast_dtype`); default: original dtypes.
+        progress: show a progress bar (tqdm) on stderr.
+
+    A no-op when the output is already complete (:func:`is_complete`). Otherwise the bundle is
+    written into a temporary sibling directory and renamed into place, so an interrupted run never
+    leaves a partial ``consolidated/`` that looks complete. Returns the output directory.
+
+    Raises:
+        ConsolidateError: not a sharded safetensors model, a bad ``cast_dtype``, ``nproc`` or
+            ``num_threads`` below 1.
+    """
+    if nproc < 1 or num_threads < 1:
+        raise ConsolidateError(f"NPROC_PER_NODE and NUM_THREADS must be >= 1, got {nproc} and {num_threads}")
+    parse_cast_dtype(cast_dtype)  # a bad value fails before any work
+    model_dir = resolve_model_dir(Path(directory)).absolute()
+    layout = read_layout(model_dir)
+    out = Path(output_dir).absolute() if output_dir is not None else model_dir / CONSOLIDATED
+    if is_complete(out, layout):
+        log.info("%s is already complete; nothing to do (remove it to export again)", out)
+        return out
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        written = write_bundle(
+            tmp, layout, model_dir=model_dir, cast_dtype=cast_dtype, sidecar_dir=model_dir / HF_METADATA,
+            nproc=nproc, num_threads=num_threads, progress=progress,
+        )
+        for rel in written:
+            fsync_file(tmp / rel)
+        fsync_dir(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote %s", out)
+    return out
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Rename ``new`` to ``out``; an incomplete ``out`` left by something else is replaced."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+    os.rename(new, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

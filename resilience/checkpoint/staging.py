@@ -1,0 +1,66 @@
+"""Host staging buffers for asynchronous saves: a real copy of the state, in memory reused
+from save to save.
+
+A snapshot must be a copy (training mutates parameters in place right after ``save`` returns),
+and a *fresh* allocation of GiBs costs several times the copy itself on a VM (page faults;
+see ``shared/notes/perf-baseline.md``: ~0.08 s per GiB into reused memory vs 0.2-0.4 s fresh).
+So each tensor gets a buffer of the same shape and dtype that is allocated once and refilled
+by every later save; pinned when CUDA is present so device-to-host copies run asynchronously.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+
+class StagingBuffers:
+    """Reusable CPU buffers keyed by name; :meth:`copy_in` returns the filled buffers.
+
+    Not thread-safe: one save at a time may use them (the async writer waits for the save in
+    flight before the next snapshot).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.pin = torch.cuda.is_available()
+
+    def _buffer_for(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin)
+            self._buffers[key] = buf
+        return buf
+
+    def copy_in(self, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+        """Copy every tensor into its staging buffer; returns ``{name: buffer}`` (same keys).
+
+        Device tensors are copied with ``non_blocking`` into pinned memory; call
+        :meth:`synchronize` before the buffers are read.
+        """
+        out = {}
+        for name, tensor in tensors.items():
+            tensor = tensor.detach()
+            buf = self._buffer_for(prefix + name, tensor)
+            buf.copy_(tensor, non_blocking=tensor.device.type != "cpu")
+            out[name] = buf
+        return out
+
+    def synchronize(self) -> None:
+        """Wait for pending device-to-host copies (no-op on CPU-only machines)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def forget(self, keys: Iterable[str] | None = None) -> None:
+        """Drop buffers (all of them by default) so their memory is freed."""
+        if keys is None:
+            self._buffers.clear()
+        else:
+            for key in keys:
+                self._buffers.pop(key, None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers."""
+        return sum(buf.numel() * buf.element_size() for buf in self._buffers.values())

@@ -1,0 +1,63 @@
+"""``resilience consolidate DIR``: the command behind every checkpoint's ``model/consolidate.sh``.
+
+Kept free of torch imports so registering it does not slow down ``resilience run``; the work is in
+:func:`resilience.checkpoint.consolidate.consolidate`. Options default to the environment
+variables NeMo AutoModel's helper reads: ``NPROC_PER_NODE`` (1), ``NUM_THREADS`` (5) and
+``CAST_DTYPE`` (unset: original dtypes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from resilience.exit_codes import ExitCode
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare ``DIR``, ``--output``, ``--nproc``, ``--num-threads``, ``--cast-dtype``, ``--no-progress``."""
+    parser.add_argument("directory", metavar="DIR", help="a checkpoint's model/ directory, or the checkpoint directory holding it")
+    parser.add_argument("--output", default=None, help="where the bundle goes (default DIR/consolidated)")
+    parser.add_argument("--nproc", default=None, help="worker processes (default $NPROC_PER_NODE or 1)")
+    parser.add_argument("--num-threads", default=None, help="reader threads per worker (default $NUM_THREADS or 5)")
+    parser.add_argument("--cast-dtype", default=None, help="bf16, fp16, fp32 or fp64 for ordinary float tensors (default $CAST_DTYPE, else original dtypes)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _count(flag: str, value: str | None, env: str, default: int) -> int:
+    text = value if value is not None else os.environ.get(env) or str(default)
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{flag} / {env}: expected an integer >= 1, got {text!r}")
+    return number
+
+
+def run(args: argparse.Namespace) -> int:
+    """Consolidate ``args.directory``; 0 on success (or nothing to do), 2 on a usage error, 1 else."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        nproc = _count("--nproc", args.nproc, "NPROC_PER_NODE", 1)
+        threads = _count("--num-threads", args.num_threads, "NUM_THREADS", 5)
+    except ValueError as exc:
+        print(f"resilience consolidate: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
+    cast = args.cast_dtype if args.cast_dtype is not None else os.environ.get("CAST_DTYPE")
+
+    from resilience.checkpoint.consolidate import ConsolidateError, consolidate  # imports torch
+
+    try:
+        out = consolidate(args.directory, args.output, nproc=nproc, num_threads=threads, cast_dtype=cast, progress=not args.no_progress)
+    except ConsolidateError as exc:
+        print(f"resilience consolidate: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
+    except OSError as exc:
+        print(f"resilience consolidate: {exc}", file=sys.stderr)
+        return int(ExitCode.FAILED)
+    print(out)
+    return int(ExitCode.DONE)
