@@ -169,9 +169,17 @@ class CheckpointConfig:
     ``every`` (legacy ``true``: every checkpoint) or ``false``. Default ``final`` with safetensors;
     needs ``model_save_format: safetensors``."""
 
+    world_size_change: str = "strict"
+    """Resuming under another world size: ``strict`` (default) refuses with an error naming the
+    change; ``elastic`` resumes: weights and (DCP-resharded) optimizer as saved, the data position
+    re-derived from the global batches consumed in the epoch (the epoch's sampler order is
+    replayed for the new ranks), and rank r takes the RNG state of saved rank r mod old world size."""
+
     def __post_init__(self) -> None:
         _check_bool("checkpoint.enabled", self.enabled)
         _check_bool("checkpoint.resume", self.resume)
+        if self.world_size_change not in ("strict", "elastic"):
+            raise ConfigError(f"checkpoint.world_size_change: {self.world_size_change!r}; accepted: strict, elastic")
         _check_retention_and_mindspore_keys(self)
         if not isinstance(self.checkpoint_dir, (str, os.PathLike)) or not str(self.checkpoint_dir).strip():
             raise ConfigError(f"checkpoint.checkpoint_dir: expected a non-empty path, got {self.checkpoint_dir!r}")

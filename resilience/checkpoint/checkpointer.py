@@ -272,10 +272,13 @@ class Checkpointer:
         """
         manifest = json.loads((directory / "manifest.json").read_text())
         meta = manifest["meta"]
-        if meta["world_size"] != self.ctx.world_size:
+        saved_world = int(meta["world_size"])
+        resized = saved_world != self.ctx.world_size
+        if resized and self.config.world_size_change != "elastic" and not self.config.no_load_optim:
             raise ValueError(
-                f"{directory.name} was saved with world size {meta['world_size']}, this run has {self.ctx.world_size}; "
-                "resuming under a different world size is not supported yet"
+                f"{directory.name} was saved with world size {saved_world}, this run has {self.ctx.world_size}: "
+                "the data position and RNG streams are per rank. Resume with the same world size, or set "
+                "checkpoint.world_size_change=elastic to re-derive them (see its documentation)"
             )
         model_io.load_model(directory, state.model, group=self.ctx.group)
         if self.config.no_load_optim and self.resume_source in ("load_path", "restore_from"):
@@ -293,13 +296,22 @@ class Checkpointer:
         if self.ctx.rank == 0 and self.resume_source != "load_path":
             self.lowest_val.reload()  # the best so far survives the restart
         rank = self.ctx.rank
-        data_file = directory / rank_file("dataloader", rank, ".json")
+        step_state = json.loads((directory / STEP_SCHEDULER).read_text())
         self.last_saved_step = meta["global_step"]
+        if resized:  # elastic: same global batches consumed; the new ranks replay the epoch's order
+            log.warning("rank %d: resuming %s saved with world size %d under world size %d (elastic)",
+                        rank, directory.name, saved_world, self.ctx.world_size)
+            data_position = {"batches_in_epoch": step_state["batches_in_epoch"], "loader": None}
+            rng_rank = rank % saved_world
+        else:
+            data_file = directory / rank_file("dataloader", rank, ".json")
+            data_position = read_data_position(data_file) if data_file.exists() else None
+            rng_rank = rank
         return Restored(
             directory=directory,
-            step_scheduler=json.loads((directory / STEP_SCHEDULER).read_text()),
-            data_position=read_data_position(data_file) if data_file.exists() else None,
-            rng_file=directory / rank_file("rng", rank, ".safetensors"),
+            step_scheduler=step_state,
+            data_position=data_position,
+            rng_file=directory / rank_file("rng", rng_rank, ".safetensors"),
             meta=meta,
         )
 
