@@ -46,6 +46,8 @@ def _check_retention_and_mindspore_keys(cfg: "CheckpointConfig") -> None:
     """Validate the retention, LOWEST_VAL and MindSpore Transformers keys of ``checkpoint``."""
     for key in ("is_async", "enable_save", "no_save_optim", "no_load_optim", "load_balanced"):
         _check_bool(f"checkpoint.{key}", getattr(cfg, key))
+    if isinstance(cfg.async_timeout_s, bool) or not isinstance(cfg.async_timeout_s, (int, float)) or cfg.async_timeout_s <= 0:
+        raise ConfigError(f"checkpoint.async_timeout_s: expected a number of seconds > 0, got {cfg.async_timeout_s!r}")
     _check_int("checkpoint.max_recent_checkpoints", cfg.max_recent_checkpoints, minimum=1, allow_none=True)
     _check_int("checkpoint.save_max", cfg.save_max, minimum=1, allow_none=True)
     if not isinstance(cfg.best_metric_key, str) or not cfg.best_metric_key:
@@ -143,7 +145,10 @@ class CheckpointConfig:
     """The validation metric that decides ``LOWEST_VAL`` (lower is better) when ``log_validation``
     gets several; with one metric that one is used (NeMo AutoModel semantics)."""
     is_async: bool = False
-    """Asynchronous saving (MindSpore ``async_save``). Accepted; saves are synchronous for now."""
+    """Asynchronous saving (MindSpore ``async_save``): a save copies the state into reused host
+    buffers and returns; a background thread writes, fsyncs and publishes it. Default false."""
+    async_timeout_s: float = 600.0
+    """Seconds any wait for an asynchronous save in flight may take before it raises (default 600)."""
     enable_save: bool = True
     """MindSpore Transformers: write checkpoints (default true). False still resumes/loads."""
     save_max: int | None = None

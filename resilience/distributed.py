@@ -9,6 +9,7 @@ context is local (rank 0 of 1) and every collective is the identity.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Any
 
 import torch
@@ -24,12 +25,14 @@ class DistContext:
     group: Any = None
 
     @classmethod
-    def from_env(cls) -> "DistContext":
+    def from_env(cls, *, timeout_s: float | None = None) -> "DistContext":
         """Describe the current process. When torch.distributed is initialised this creates a new
-        gloo group, which is a collective: every rank must call it, in the same order."""
+        gloo group, which is a collective: every rank must call it, in the same order.
+        ``timeout_s`` bounds each collective on it (default: torch's, 30 minutes)."""
         if not (dist.is_available() and dist.is_initialized()):
             return cls()
-        group = dist.new_group(backend="gloo")
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+        group = dist.new_group(backend="gloo", timeout=timeout)
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), group=group)
 
     @property

@@ -79,6 +79,9 @@ class ResilientLoop:
         """The agreed stop step when preempted (every rank has the same)."""
         self._generator: Iterator[Step] | None = None
         self._in_step = False  # the user's body of a step is running (its step is global_step + 1)
+        self._agreement: StopAgreement | None = None
+        self._pending: Any = lambda: 0  # this rank's stop flag (signals recorded or a stop file)
+        self._stop_agreed_in_step = False  # should_stop() agreed a stop inside a step's body
 
     # -- public --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
@@ -149,42 +152,85 @@ class ResilientLoop:
         with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=sched_cfg.agreement_every_steps) as agreement:
             # A stop the launcher or batch script recorded before this rank could receive it.
             stop_before_start = mark_ready_and_check_stop() and bool(sched_cfg.signals)
-            restored = self._resume()
-            position = restored.data_position if restored else None
-            while not scheduler.done:
-                set_epoch(loader, scheduler.epoch)
-                iterator = self._epoch_iterator(loader, position)
-                if restored is not None:
-                    # The save captured the RNG after this epoch's iterator was created (creating it
-                    # draws from the global RNG), so restore it only now.
-                    Checkpointer.restore_rng(restored)
-                    restored = None
-                position = None
-                for batch in iterator:
-                    number = scheduler.global_step + 1
-                    is_val_step = bool(sched_cfg.val_every_steps) and number % sched_cfg.val_every_steps == 0
-                    self._in_step = True
-                    yield Step(number, scheduler.epoch, scheduler.batches_in_epoch, batch, is_val_step)
-                    self._in_step = False
-                    scheduler.finish_step()
-                    stop = agreement.update(scheduler.global_step, STOP_PREEMPTION if (signals or stop_before_start) else 0)
-                    if scheduler.done:
-                        break
-                    if stop:
-                        self._save("preemption")
-                        self.stop_step = scheduler.global_step
-                        self.exit_code = ExitCode.PREEMPTED
-                        log.warning("rank %d: stop agreed at step %d; checkpoint saved, exiting for requeue", self.ctx.rank, scheduler.global_step)
+            self._pending = lambda: STOP_PREEMPTION if (signals or stop_before_start) else 0
+            self._agreement = agreement
+            try:
+                restored = self._resume()
+                # A signal during model building or resume loading: stop before the first step.
+                # Nothing new to save: LATEST (if any) already holds this state.
+                if agreement.agree_now(self._pending()):
+                    self._stop(scheduler.global_step, "before the first step", save=False)
+                    return
+                yield from self._steps(restored, agreement)
+            finally:
+                if self.exit_code is None:  # an exception: let a save in flight finish, quietly
+                    try:
+                        self.checkpointer.close()
+                    except Exception as exc:  # noqa: BLE001 - the original error matters more
+                        log.warning("rank %d: the save in flight failed too: %s", self.ctx.rank, exc)
+
+    def _steps(self, restored, agreement) -> Iterator[Step]:
+        sched_cfg = self.config.step_scheduler
+        scheduler = self.scheduler
+        loader = self.state.dataloader
+        position = restored.data_position if restored else None
+        while not scheduler.done:
+            set_epoch(loader, scheduler.epoch)
+            iterator = self._epoch_iterator(loader, position)
+            if restored is not None:
+                # The save captured the RNG after this epoch's iterator was created (creating it
+                # draws from the global RNG), so restore it only now.
+                Checkpointer.restore_rng(restored)
+                restored = None
+            position = None
+            for batch in iterator:
+                number = scheduler.global_step + 1
+                is_val_step = bool(sched_cfg.val_every_steps) and number % sched_cfg.val_every_steps == 0
+                self._in_step = True
+                yield Step(number, scheduler.epoch, scheduler.batches_in_epoch, batch, is_val_step)
+                self._in_step = False
+                scheduler.finish_step()
+                stop = agreement.update(scheduler.global_step, self._pending())
+                if scheduler.done:
+                    break  # a stop during the final step: finish normally
+                if stop or self._stop_agreed_in_step:
+                    self._stop(scheduler.global_step, "agreed", save=True)
+                    return
+                every = sched_cfg.ckpt_every_steps
+                if every and scheduler.global_step % every == 0:
+                    self._save("periodic")
+                    # A signal during that save: it is this step's checkpoint; stop without a second one.
+                    if agreement.agree_now(self._pending()):
+                        self._stop(scheduler.global_step, "during a save", save=False)
                         return
-                    every = sched_cfg.ckpt_every_steps
-                    if every and scheduler.global_step % every == 0:
-                        self._save("periodic")
-                else:
-                    scheduler.finish_epoch()
-            agreement.drain()
-            if self.checkpointer.last_saved_step != scheduler.global_step:
-                self._save("final")
-            self.exit_code = ExitCode.DONE
+            else:
+                scheduler.finish_epoch()
+        agreement.drain()
+        if self.checkpointer.last_saved_step != scheduler.global_step:
+            self._save("final")
+        self.checkpointer.wait()  # the end of training publishes before it reports DONE
+        self.exit_code = ExitCode.DONE
+
+    def _stop(self, step: int, when: str, *, save: bool) -> None:
+        """Every rank stops at ``step``: save it (unless already saved), publish, exit PREEMPTED."""
+        if save and self.checkpointer.last_saved_step != step:
+            self._save("preemption")
+        self.checkpointer.wait()  # an asynchronous save must be published before we exit
+        self.stop_step = step
+        self.exit_code = ExitCode.PREEMPTED
+        log.warning("rank %d: stop %s at step %d; checkpoint published, exiting for requeue", self.ctx.rank, when, step)
+
+    def should_stop(self) -> bool:
+        """A collective check for long phases inside a step's body (evaluation): True when a stop
+        was requested on any rank. Call it on every rank at the same points; when it returns
+        True, abandon the phase and return from the body: the loop then saves the step (its
+        training part is complete) and ends with PREEMPTED, without waiting for the next
+        agreement round. Costs one blocking all-reduce per call."""
+        if self._agreement is None:
+            return False
+        if not self._stop_agreed_in_step and self._agreement.agree_now(self._pending()):
+            self._stop_agreed_in_step = True
+        return self._stop_agreed_in_step
 
     def _resume(self):
         directory = self.checkpointer.find_resume_point()

@@ -74,7 +74,7 @@ def test_disk_full_during_a_save_raises_on_every_rank_and_keeps_latest(small_fs,
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("phase", ["staging", "manifest", "rename", "pointer", "after_publish"])
+@pytest.mark.parametrize("phase", ["staging", "parts", "manifest", "rename", "pointer", "after_publish"])
 def test_a_rank0_only_failure_at_each_filesystem_step_raises_on_every_rank(tmp_path, capfd, phase):
     ckpt = tmp_path / "ck"
     codes, _ = run_tiny(

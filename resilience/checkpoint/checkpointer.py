@@ -6,10 +6,12 @@ The public methods own the guards (enabled? distributed?); the save and resume d
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -17,17 +19,20 @@ from typing import Any
 
 import torch
 import yaml
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from resilience.checkpoint import model_io, optim_io, retention
+from resilience.checkpoint import hf_export, model_io, optim_io, retention
+from resilience.checkpoint.async_writer import AsyncWriter
 from resilience.checkpoint.best import LowestVal, json_safe, select_metric
 from resilience.checkpoint.extra_state import load_extra_state, save_extra_state
-from resilience.checkpoint.layout import MANIFEST, checkpoint_name, parse_checkpoint_name, rank_file
+from resilience.checkpoint.layout import TRASH_PREFIX, MANIFEST, checkpoint_name, parse_checkpoint_name, rank_file
 from resilience.checkpoint.reader import CheckpointNotFound, find_resume_checkpoint
+from resilience.checkpoint.staging import StagingBuffers
 from resilience.checkpoint.writer import Part, remove_leftovers, save_checkpoint
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
-from resilience.state.data_position import read_data_position, save_data_position
-from resilience.state.rng import load_rng_state, save_rng_state
+from resilience.state.data_position import data_position_json, read_data_position
+from resilience.state.rng import capture_rng_state, load_rng_state, write_rng_state
 from resilience.state.step_scheduler import StepScheduler
 
 STEP_SCHEDULER = "step_scheduler.json"
@@ -78,6 +83,13 @@ class Checkpointer:
 
     Every method is a collective over ``ctx`` (call it on every rank). A save publishes
     ``epoch_<E>_step_<S>/`` and moves ``LATEST`` only after every rank's files are durable.
+
+    With ``config.is_async`` a save takes a snapshot (model and optimizer tensors copied into
+    reused host buffers; RNG, data position, counters captured) and returns; a background thread
+    writes, fsyncs and publishes it, with its collectives on a gloo group of its own (creating
+    it makes the constructor a collective). At most one save is in flight: the next save,
+    :meth:`wait` and :meth:`close` wait for it (at most ``config.async_timeout_s`` seconds) and
+    raise its failure, on every rank alike.
     """
 
     def __init__(self, config: CheckpointConfig, ctx: DistContext, *, run_config: dict[str, Any] | None = None, run_id: str | None = None):
@@ -96,6 +108,12 @@ class Checkpointer:
         """Rank 0: validation metrics by global step, waiting for that step's checkpoint."""
         self.global_batch_size: int | None = None
         """Samples per optimizer step over all ranks (``step_scheduler.global_batch_size``), set by the loop."""
+        self._async: AsyncWriter | None = None
+        self._async_ctx: DistContext | None = None
+        self._buffers = StagingBuffers()
+        if config.is_async and config.enabled and config.enable_save:
+            self._async = AsyncWriter()
+            self._async_ctx = DistContext.from_env(timeout_s=config.async_timeout_s) if ctx.distributed else ctx
 
     def record_validation(self, global_step: int, metrics: dict[str, Any]) -> tuple[str, float | None]:
         """Remember ``metrics`` for the checkpoint of ``global_step``; returns the deciding metric.
@@ -109,22 +127,29 @@ class Checkpointer:
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, state: TrainingState, scheduler: StepScheduler, *, reason: str = "periodic") -> Path | None:
-        """Write and publish a checkpoint of the current state; returns its directory.
+        """Checkpoint the current state; returns the directory it is (or, async, will be) published as.
+
+        Synchronous: returns once it is published. Asynchronous: waits for the save in flight,
+        takes a snapshot and returns; training may then change every object at once.
 
         Raises:
-            CheckpointSaveError: on every rank when any rank failed; ``LATEST`` is unchanged.
+            CheckpointSaveError: on every rank when any rank failed (for an asynchronous save: at
+                the next ``save``, ``wait`` or ``close``); ``LATEST`` is unchanged.
+            AsyncSaveTimeout: the previous asynchronous save did not finish in time.
         """
         if not self.config.enabled or not self.config.enable_save:
             return None
+        self.wait()  # at most one save in flight; raises its failure here, on every rank
         if self.ctx.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         if self.run_id is None:
             self.run_id = uuid.uuid4().hex  # save_max tells this run's checkpoints by it
         epoch = _epoch_of(scheduler)
-        name = checkpoint_name(epoch, scheduler.global_step)
+        step = scheduler.global_step
+        name = checkpoint_name(epoch, step)
         meta = {
             "epoch": epoch,
-            "global_step": scheduler.global_step,
+            "global_step": step,
             "world_size": self.ctx.world_size,
             "reason": reason,
             "saved_at": time.time(),
@@ -132,18 +157,47 @@ class Checkpointer:
             "torch_version": torch.__version__,
             "global_batch_size": self.global_batch_size,
             "optimizer_saved": state.optimizer is not None and not self.config.no_save_optim,
+            "is_async": self._async is not None,
         }
-        step = scheduler.global_step
         value = None
         if step in self.validation:
             key, value = select_metric(self.validation[step], self.config.best_metric_key)
             meta["val_metrics"] = json_safe(self.validation[step])
             meta["val_metric"] = {"key": key, "value": value}
-        path = save_checkpoint(self.ctx, self.root, name, self._parts(state, scheduler, reason), meta, after_publish=lambda final: self._after_publish(final, value))
+        parts = self._parts(state, scheduler, reason, snapshot=self._async is not None)
         self.last_saved_step = step
         self.training_rows = [row for row in self.training_rows if row.get("global_step", 0) > step]
         self.validation = {s: m for s, m in self.validation.items() if s > step}
-        return path
+
+        def write_and_publish(ctx: DistContext) -> Path:
+            return save_checkpoint(ctx, self.root, name, parts, meta, after_publish=lambda final: self._after_publish(final, value))
+
+        if self._async is None:
+            return write_and_publish(self.ctx)
+        self._async.submit(lambda: write_and_publish(self._async_ctx), description=name)
+        return self.root / name
+
+    def wait(self) -> Path | None:
+        """Wait for the asynchronous save in flight (if any) to be published; returns its directory.
+
+        Raises its ``CheckpointSaveError`` (on every rank), or ``AsyncSaveTimeout`` after
+        ``checkpoint.async_timeout_s`` seconds.
+        """
+        if self._async is None:
+            return None
+        return self._async.wait(self.config.async_timeout_s)
+
+    @property
+    def save_in_flight(self) -> bool:
+        """True while an asynchronous save has not been collected by :meth:`wait`."""
+        return self._async is not None and self._async.in_flight
+
+    def close(self) -> None:
+        """Wait for the save in flight (see :meth:`wait`) and release the staging buffers."""
+        try:
+            self.wait()
+        finally:
+            self._buffers.forget()
 
     def _after_publish(self, final: Path, value: float | None) -> None:
         """Rank 0, once ``LATEST`` names ``final``: move ``LOWEST_VAL``, then apply retention."""
@@ -189,34 +243,57 @@ class Checkpointer:
         doc["training"] = rows
         return json_safe(doc)
 
-    def _parts(self, state: TrainingState, scheduler: StepScheduler, reason: str = "periodic") -> list[Part]:
+    def _parts(self, state: TrainingState, scheduler: StepScheduler, reason: str = "periodic", *, snapshot: bool = False) -> list[Part]:
+        """The pieces of this checkpoint, every value captured now (the parts only write).
+
+        With ``snapshot`` the model and optimizer tensors are copied into the staging buffers, so
+        the parts can run in the background while training changes the live tensors.
+        """
         rank = self.ctx.rank
+        group = self.ctx.group if self._async is None else self._async_ctx.group
         parts = []
         if state.optimizer is not None and not self.config.no_save_optim:  # collective first: it must run on every rank
-            parts.append(Part("optimizer", lambda d: optim_io.save_optimizer(d, state.model, state.optimizer, rank=rank, group=self.ctx.group), collective=True))
-        parts.append(self._model_part(state, reason))  # every rank writes its shard (DCP: collective)
+            tensors, skeleton = optim_io.capture_optimizer(state.model, state.optimizer)
+            if snapshot:
+                tensors = self._buffers.copy_in(tensors, prefix="optim.")
+            parts.append(Part("optimizer", lambda d: optim_io.save_optimizer(d, (tensors, skeleton), rank=rank, group=group), collective=True))
+        parts.append(self._model_part(state, reason, snapshot=snapshot, group=group))  # every rank writes its shard
         if rank == 0:
             if state.lr_scheduler is not None:
-                parts.append(Part("lr_scheduler", lambda d: optim_io.save_lr_scheduler(d, state.lr_scheduler)))
-            parts.append(Part("step_scheduler", lambda d: _write_json(d, STEP_SCHEDULER, scheduler.state_dict())))
-            parts.append(Part("config", lambda d: _write_text(d, CONFIG, yaml.safe_dump(self.run_config, sort_keys=False))))
+                parts.append(_json_part("lr_scheduler", optim_io.LR_SCHEDULER, optim_io.lr_scheduler_json(state.lr_scheduler)))
+            parts.append(_json_part("step_scheduler", STEP_SCHEDULER, json.dumps(scheduler.state_dict())))
+            parts.append(_json_part("config", CONFIG, yaml.safe_dump(self.run_config, sort_keys=False)))
             for key, obj in state.extra.items():
-                parts.append(Part(f"extra.{key}", lambda d, obj=obj, key=key: save_extra_state(d, key, obj.state_dict())))
-            parts.append(Part("common", lambda d: _write_json(d, COMMON, self._common(state, scheduler))))
-            parts.append(Part("losses", lambda d: _write_json(d, LOSSES, self._losses(scheduler.global_step))))
-        parts.append(Part("rng", lambda d: _rng(d, rank)))
+                extra = copy.deepcopy(obj.state_dict())
+                parts.append(Part(f"extra.{key}", lambda d, extra=extra, key=key: save_extra_state(d, key, extra)))
+            parts.append(_json_part("common", COMMON, json.dumps(self._common(state, scheduler))))
+            parts.append(_json_part("losses", LOSSES, json.dumps(self._losses(scheduler.global_step))))
+        rng = capture_rng_state()
+        parts.append(Part("rng", lambda d: _write_rng(d, rank, rng)))
         if state.dataloader is not None:
-            parts.append(Part("dataloader", lambda d: _data(d, rank, state.dataloader, scheduler.batches_in_epoch)))
+            position = data_position_json(state.dataloader, scheduler.batches_in_epoch)
+            parts.append(_json_part("dataloader", rank_file("dataloader", rank, ".json"), position))
+        if snapshot:
+            self._buffers.synchronize()
         return parts
 
-    def _model_part(self, state: TrainingState, reason: str) -> Part:
+    def _model_part(self, state: TrainingState, reason: str, *, snapshot: bool, group: Any) -> Part:
         fmt, when = self.config.model_save_format, self.config.save_consolidated
         consolidated = when == "every" or (when == "final" and reason == "final")
+        if hf_export.is_peft_model(state.model):
+            # Adapters are written now, on rank 0, even for an asynchronous save (small, and peft
+            # reads the live weights); the background part only moves them into the checkpoint.
+            held = self.root / f"{TRASH_PREFIX}adapter_{uuid.uuid4().hex[:8]}"  # cleaned up at start if left
+            written = model_io.save_model(held, state.model, rank=self.ctx.rank, tokenizer=state.tokenizer) if self.ctx.rank == 0 else []
+            return Part("model", lambda d: _move_in(held, d, written))
+        tensors = get_model_state_dict(state.model)
+        if snapshot:
+            tensors = self._buffers.copy_in(tensors, prefix="model.")
         return Part(
             "model",
             lambda d: model_io.save_model(
-                d, state.model, rank=self.ctx.rank, world_size=self.ctx.world_size, group=self.ctx.group,
-                save_format=fmt, consolidated=consolidated, tokenizer=state.tokenizer,
+                d, state.model, rank=self.ctx.rank, world_size=self.ctx.world_size, group=group,
+                save_format=fmt, consolidated=consolidated, tokenizer=state.tokenizer, state_dict=tensors,
             ),
             collective=fmt == "torch_save",
         )
@@ -342,8 +419,9 @@ def _reload_main_params(optimizer: Any) -> None:
         reload()
 
 
-def _write_json(directory: Path, rel: str, obj: Any) -> list[str]:
-    return _write_text(directory, rel, json.dumps(obj))
+def _json_part(name: str, rel: str, text: str) -> Part:
+    """A part writing ``text`` (captured already) to ``rel``."""
+    return Part(name, lambda d: _write_text(d, rel, text))
 
 
 def _write_text(directory: Path, rel: str, text: str) -> list[str]:
@@ -353,15 +431,17 @@ def _write_text(directory: Path, rel: str, text: str) -> list[str]:
     return [rel]
 
 
-def _rng(directory: Path, rank: int) -> list[str]:
+def _write_rng(directory: Path, rank: int, captured: Any) -> list[str]:
     rel = rank_file("rng", rank, ".safetensors")
     (directory / "rng").mkdir(exist_ok=True)
-    save_rng_state(directory / rel)
+    write_rng_state(directory / rel, captured)
     return [rel]
 
 
-def _data(directory: Path, rank: int, loader: Any, batches_in_epoch: int) -> list[str]:
-    rel = rank_file("dataloader", rank, ".json")
-    (directory / "dataloader").mkdir(exist_ok=True)
-    save_data_position(directory / rel, loader, batches_in_epoch)
-    return [rel]
+def _move_in(held: Path, directory: Path, written: list[str]) -> list[str]:
+    """Move files written ahead of the save (``held/<rel>``) into the staging directory."""
+    for rel in written:
+        (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(held / rel, directory / rel)
+    shutil.rmtree(held, ignore_errors=True)
+    return written

@@ -72,9 +72,13 @@ def save_model(
     consolidated: bool = False,
     tokenizer: Any = None,
     max_file_bytes: int = MAX_FILE_BYTES,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> list[str]:
     """Write this rank's part of the model into ``staging/model/``; returns the relative paths written
     (the caller fsyncs and hashes them).
+
+    ``state_dict`` is a snapshot of ``get_model_state_dict(model)`` (an asynchronous save writes
+    copies while training goes on); by default the live weights are read now.
 
     Call it on every rank: with ``save_format="torch_save"`` it is a collective over ``group``.
     ``consolidated`` adds ``model/consolidated/`` (rank 0, safetensors only); ``tokenizer`` (any
@@ -94,9 +98,10 @@ def save_model(
             written += hf_export.write_hf_metadata(staging / MODEL_DIR, model, tokenizer, model_files=False)
         return sorted({f"{MODEL_DIR}/{rel}" for rel in written})
     (staging / MODEL_DIR).mkdir(exist_ok=True)
+    state = state_dict if state_dict is not None else get_model_state_dict(model)
     if save_format == "torch_save":
-        return _save_dcp(staging, model, rank=rank, group=group)
-    return _save_sharded(staging, model, rank=rank, world_size=world_size, consolidated=consolidated, tokenizer=tokenizer, max_file_bytes=max_file_bytes)
+        return _save_dcp(staging, state, rank=rank, group=group)
+    return _save_sharded(staging, model, state, rank=rank, world_size=world_size, consolidated=consolidated, tokenizer=tokenizer, max_file_bytes=max_file_bytes)
 
 
 def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) -> None:
@@ -127,12 +132,12 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
 
 
 # -- torch_save: DCP -------------------------------------------------------------------------------
-def _save_dcp(staging: Path, model: torch.nn.Module, *, rank: int, group: Any) -> list[str]:
+def _save_dcp(staging: Path, state: dict[str, torch.Tensor], *, rank: int, group: Any) -> list[str]:
     target = staging / MODEL_DIR
     writer = dcp.FileSystemWriter(str(target), sync_files=True, single_file_per_rank=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        dcp.save(get_model_state_dict(model), storage_writer=writer, process_group=group)
+        dcp.save(state, storage_writer=writer, process_group=group)
     written = [f"{MODEL_DIR}/{p.name}" for p in target.glob(f"__{rank}_*.distcp")]
     if rank == 0:
         written.append(f"{MODEL_DIR}/.metadata")
@@ -140,8 +145,7 @@ def _save_dcp(staging: Path, model: torch.nn.Module, *, rank: int, group: Any) -
 
 
 # -- safetensors: per-rank shards ------------------------------------------------------------------
-def _save_sharded(staging: Path, model: torch.nn.Module, *, rank: int, world_size: int, consolidated: bool, tokenizer: Any, max_file_bytes: int) -> list[str]:
-    state = get_model_state_dict(model)
+def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.Tensor], *, rank: int, world_size: int, consolidated: bool, tokenizer: Any, max_file_bytes: int) -> list[str]:
     for key, value in state.items():
         if isinstance(value, DTensor):
             raise NotImplementedError(

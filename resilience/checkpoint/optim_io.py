@@ -86,13 +86,18 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, An
     return tensors, skeleton
 
 
-def save_optimizer(staging: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, group: Any) -> list[str]:
-    """Write the optimizer state (collective over ``group``: every rank must call it).
+def capture_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The optimizer state as (tensors for DCP, JSON skeleton); the tensors are the live ones
+    (copy them before training continues if the save is asynchronous)."""
+    return _split(get_optimizer_state_dict(model, optimizer))
+
+
+def save_optimizer(staging: Path, captured: tuple[dict[str, torch.Tensor], dict[str, Any]], *, rank: int, group: Any) -> list[str]:
+    """Write a :func:`capture_optimizer` state (collective over ``group``: every rank calls it).
 
     Returns the relative paths this rank wrote. DCP fsyncs its own files (``sync_files``).
     """
-    state = get_optimizer_state_dict(model, optimizer)
-    tensors, skeleton = _split(state)
+    tensors, skeleton = captured
     target = staging / OPTIM_DIR
     target.mkdir(exist_ok=True)
     writer = dcp.FileSystemWriter(str(target), sync_files=True, single_file_per_rank=True)
@@ -136,16 +141,16 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": skeleton["param_groups"]})
 
 
-def save_lr_scheduler(staging: Path, scheduler: Any) -> list[str]:
-    """Write an LR scheduler's ``state_dict()`` as JSON (functions in it are dropped by torch)."""
-    state = scheduler.state_dict()
+def lr_scheduler_json(scheduler: Any) -> str:
+    """An LR scheduler's ``state_dict()`` as JSON text, captured now (functions are dropped by torch).
+
+    Raises:
+        TypeError: the state holds something JSON cannot represent.
+    """
     try:
-        text = json.dumps(state)
+        return json.dumps(scheduler.state_dict())
     except TypeError as exc:
         raise TypeError(f"lr_scheduler.state_dict() must be JSON-serialisable to be checkpointed: {exc}") from exc
-    (staging / OPTIM_DIR).mkdir(exist_ok=True)
-    (staging / LR_SCHEDULER).write_text(text)
-    return [LR_SCHEDULER]
 
 
 def load_lr_scheduler(directory: Path, scheduler: Any) -> None:

@@ -118,7 +118,14 @@ def save_checkpoint(
         if error is not None and not part.collective:
             continue
         try:
-            _phase("parts")
+            try:
+                _phase("parts")
+            except _FAILURES as exc:
+                if not part.collective:
+                    raise
+                # A collective part runs on every rank even after a local failure: a rank that
+                # skipped it would leave its peers waiting in DCP's collective forever.
+                error = error or f"{part.name}: {_describe(exc)}"
             for rel in part.write(staging):
                 fsync_file(staging / rel)
                 records.append(record(staging, rel))

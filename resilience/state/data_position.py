@@ -54,14 +54,23 @@ def set_epoch(loader: Any, epoch: int) -> None:
             return
 
 
-def save_data_position(path: Path, loader: Any, batches_in_epoch: int) -> None:
-    """Write the loader position as JSON. Raises ``TypeError`` if its state is not JSON-able."""
+def data_position_json(loader: Any, batches_in_epoch: int) -> str:
+    """The loader position as JSON text, captured now (a snapshot). Tensors in the loader's state
+    (a shuffling sampler's generator) are encoded, never pickled.
+
+    Raises:
+        TypeError: the loader's state holds something JSON cannot represent.
+    """
     state = {"batches_in_epoch": batches_in_epoch, "loader": _encode(loader.state_dict()) if is_stateful(loader) else None}
     try:
-        text = json.dumps(state)
+        return json.dumps(state)
     except TypeError as exc:
         raise TypeError(f"dataloader.state_dict() must be JSON-serialisable to be checkpointed: {exc}") from exc
-    path.write_text(text)
+
+
+def save_data_position(path: Path, loader: Any, batches_in_epoch: int) -> None:
+    """Write the loader position as JSON (see :func:`data_position_json`)."""
+    path.write_text(data_position_json(loader, batches_in_epoch))
 
 
 def read_data_position(path: Path) -> dict[str, Any]:

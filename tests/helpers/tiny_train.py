@@ -30,6 +30,7 @@ original_save = checkpointer.Checkpointer.save
 
 def counting_save(self, *args, **kwargs):
     global saves
+    self.wait()  # an asynchronous save in flight belongs to the previous count
     saves += 1
     result = original_save(self, *args, **kwargs)
     if saves == 1 and rank == 0 and os.environ.get("FILL_AFTER_FIRST_SAVE"):
