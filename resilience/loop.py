@@ -38,6 +38,7 @@ from resilience.slurm import run_id_from_env, signal_reach_warning
 from resilience.mindspore_compat import rescale_for_global_batch_size
 from resilience.state.data_position import resume_iterator, set_epoch
 from resilience.state.step_scheduler import StepScheduler
+from resilience.timing import RunTimer
 
 log = logging.getLogger("resilience")
 
@@ -82,6 +83,8 @@ class ResilientLoop:
         self._agreement: StopAgreement | None = None
         self._pending: Any = lambda: 0  # this rank's stop flag (signals recorded or a stop file)
         self._stop_agreed_in_step = False  # should_stop() agreed a stop inside a step's body
+        self.timer = RunTimer()
+        """Moving averages of step and save time (seconds), recorded in each checkpoint."""
 
     # -- public --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
@@ -190,6 +193,7 @@ class ResilientLoop:
                 yield Step(number, scheduler.epoch, scheduler.batches_in_epoch, batch, is_val_step)
                 self._in_step = False
                 scheduler.finish_step()
+                self.timer.boundary()
                 stop = agreement.update(scheduler.global_step, self._pending())
                 if scheduler.done:
                     break  # a stop during the final step: finish normally
@@ -269,7 +273,10 @@ class ResilientLoop:
     def _save(self, reason: str) -> None:
         if self.checkpointer.run_id is None:
             self.checkpointer.run_id = uuid.uuid4().hex
+        self.checkpointer.timings = self.timer.as_dict()
+        started = self.timer.clock()
         self.checkpointer.save(self.state, self.scheduler, reason=reason)
+        self.timer.record_save(self.timer.clock() - started)
 
     def _truncate_log(self, global_step: int) -> None:
         """Drop log rows of steps after the resumed one (they were redone after a crash)."""

@@ -108,6 +108,8 @@ class Checkpointer:
         """Rank 0: validation metrics by global step, waiting for that step's checkpoint."""
         self.global_batch_size: int | None = None
         """Samples per optimizer step over all ranks (``step_scheduler.global_batch_size``), set by the loop."""
+        self.timings: dict[str, float | None] = {}
+        """Step and save time moving averages (seconds) at this save, set by the loop."""
         self._async: AsyncWriter | None = None
         self._async_ctx: DistContext | None = None
         self._buffers = StagingBuffers()
@@ -158,6 +160,7 @@ class Checkpointer:
             "global_batch_size": self.global_batch_size,
             "optimizer_saved": state.optimizer is not None and not self.config.no_save_optim,
             "is_async": self._async is not None,
+            "timings": dict(self.timings),
         }
         value = None
         if step in self.validation:
