@@ -49,6 +49,7 @@ def _check_retention_and_mindspore_keys(cfg: "CheckpointConfig") -> None:
     if isinstance(cfg.async_timeout_s, bool) or not isinstance(cfg.async_timeout_s, (int, float)) or cfg.async_timeout_s <= 0:
         raise ConfigError(f"checkpoint.async_timeout_s: expected a number of seconds > 0, got {cfg.async_timeout_s!r}")
     _check_int("checkpoint.max_recent_checkpoints", cfg.max_recent_checkpoints, minimum=1, allow_none=True)
+    _check_int("checkpoint.max_restarts_without_progress", cfg.max_restarts_without_progress, minimum=1, allow_none=True)
     _check_int("checkpoint.save_max", cfg.save_max, minimum=1, allow_none=True)
     if not isinstance(cfg.best_metric_key, str) or not cfg.best_metric_key:
         raise ConfigError(f"checkpoint.best_metric_key: expected a metric name, got {cfg.best_metric_key!r}")
@@ -109,8 +110,22 @@ class StepSchedulerConfig:
     each checkpoint; resuming with a different value rescales ``global_step`` by old/new (default null)."""
     val_every_steps: int | None = None
     """Validate every N global steps: sets ``Step.is_val_step`` for the training loop (default null)."""
+    wall_time_s: float | None = None
+    """This run's wall time in seconds from its start, for deadline stopping outside Slurm (default
+    null: inside a Slurm job the end time comes from ``scontrol show job``)."""
+    deadline_stop: bool = True
+    """Stop and save by ourselves when the time left before the job's end no longer covers the
+    steps a stop may still take plus one save, times ``deadline_safety`` (default true)."""
+    deadline_safety: float = 1.5
+    """Safety factor on (steps until an agreed stop + one save) for deadline stopping and the
+    lead-time warning (default 1.5)."""
 
     def __post_init__(self) -> None:
+        if self.wall_time_s is not None and (isinstance(self.wall_time_s, bool) or not isinstance(self.wall_time_s, (int, float)) or self.wall_time_s <= 0):
+            raise ConfigError(f"step_scheduler.wall_time_s: expected seconds > 0 or null, got {self.wall_time_s!r}")
+        _check_bool("step_scheduler.deadline_stop", self.deadline_stop)
+        if isinstance(self.deadline_safety, bool) or not isinstance(self.deadline_safety, (int, float)) or self.deadline_safety < 1:
+            raise ConfigError(f"step_scheduler.deadline_safety: expected a number >= 1, got {self.deadline_safety!r}")
         _check_int("step_scheduler.global_batch_size", self.global_batch_size, minimum=1, allow_none=True)
         _check_int("step_scheduler.val_every_steps", self.val_every_steps, minimum=1, allow_none=True)
         _check_int("step_scheduler.num_epochs", self.num_epochs, minimum=1)
@@ -147,6 +162,10 @@ class CheckpointConfig:
     is_async: bool = False
     """Asynchronous saving (MindSpore ``async_save``): a save copies the state into reused host
     buffers and returns; a background thread writes, fsyncs and publishes it. Default false."""
+    max_restarts_without_progress: int | None = 3
+    """Requeue-loop guard: after this many consecutive starts from the same ``LATEST`` (restarts
+    that produced no new checkpoint), exit with ``ExitCode.NO_PROGRESS`` (76), which the Slurm
+    templates never requeue (default 3; null disables)."""
     async_timeout_s: float = 600.0
     """Seconds any wait for an asynchronous save in flight may take before it raises (default 600)."""
     enable_save: bool = True

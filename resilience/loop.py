@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -34,16 +35,18 @@ from resilience.distributed import DistContext
 from resilience.exit_codes import ExitCode
 from resilience.signals import SignalRecorder
 from resilience.handshake import mark_ready_and_check_stop
-from resilience.slurm import run_id_from_env, signal_reach_warning
+from resilience.slurm import SlurmJob, run_id_from_env, signal_reach_warning
 from resilience.mindspore_compat import rescale_for_global_batch_size
 from resilience.state.data_position import resume_iterator, set_epoch
 from resilience.state.step_scheduler import StepScheduler
-from resilience.timing import RunTimer
+from resilience import progress_guard
+from resilience.timing import RunTimer, lead_time_warning, must_stop
 
 log = logging.getLogger("resilience")
 
 TRAINING_LOG = "training.jsonl"
-STOP_PREEMPTION = 1  # reason code carried by the agreement collective
+STOP_PREEMPTION = 1  # reason codes carried by the agreement collective (combined with MAX)
+STOP_DEADLINE = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +86,8 @@ class ResilientLoop:
         self._agreement: StopAgreement | None = None
         self._pending: Any = lambda: 0  # this rank's stop flag (signals recorded or a stop file)
         self._stop_agreed_in_step = False  # should_stop() agreed a stop inside a step's body
+        self._end_time: float | None = None
+        self._lead_time_warned = False
         self.timer = RunTimer()
         """Moving averages of step and save time (seconds), recorded in each checkpoint."""
 
@@ -159,6 +164,10 @@ class ResilientLoop:
             self._agreement = agreement
             try:
                 restored = self._resume()
+                if self._guard_no_progress():
+                    return
+                self._end_time = self._job_end_time()
+                self._warn_lead_time(restored.meta.get("timings", {}) if restored else {})
                 # A signal during model building or resume loading: stop before the first step.
                 # Nothing new to save: LATEST (if any) already holds this state.
                 if agreement.agree_now(self._pending()):
@@ -194,11 +203,11 @@ class ResilientLoop:
                 self._in_step = False
                 scheduler.finish_step()
                 self.timer.boundary()
-                stop = agreement.update(scheduler.global_step, self._pending())
+                stop = agreement.update(scheduler.global_step, max(self._pending(), self._deadline_flag()))
                 if scheduler.done:
                     break  # a stop during the final step: finish normally
                 if stop or self._stop_agreed_in_step:
-                    self._stop(scheduler.global_step, "agreed", save=True)
+                    self._stop(scheduler.global_step, "for the job's deadline" if stop == STOP_DEADLINE else "agreed", save=True)
                     return
                 every = sched_cfg.ckpt_every_steps
                 if every and scheduler.global_step % every == 0:
@@ -213,7 +222,68 @@ class ResilientLoop:
         if self.checkpointer.last_saved_step != scheduler.global_step:
             self._save("final")
         self.checkpointer.wait()  # the end of training publishes before it reports DONE
+        if self.ctx.rank == 0 and self.config.checkpoint.enabled:
+            progress_guard.reset(self.checkpointer.root)
         self.exit_code = ExitCode.DONE
+
+    def _guard_no_progress(self) -> bool:
+        """The requeue-loop guard (rank 0 decides, every rank learns): True when this run must end
+        with NO_PROGRESS because the attempts before it saved nothing new."""
+        limit = self.config.checkpoint.max_restarts_without_progress
+        if not self.config.checkpoint.enabled or limit is None:
+            return False
+        stop = None
+        if self.ctx.rank == 0:
+            name = self.resumed_from.name if self.resumed_from is not None else None
+            starts = progress_guard.count_start(self.checkpointer.root, name)
+            stop = starts if progress_guard.no_progress(starts, limit) else None
+        stop = self.ctx.broadcast_object(stop)
+        if stop is None:
+            return False
+        self.exit_code = ExitCode.NO_PROGRESS
+        log.error(
+            "rank %d: this is start %d in a row from %s: the %d attempts before it saved no new checkpoint; "
+            "exiting with %d (NO_PROGRESS, not requeued). Fix the cause (a signal before the first step each "
+            "time, a wall time too short to reach a checkpoint), then delete %s to try again",
+            self.ctx.rank, stop, self.resumed_from.name if self.resumed_from else "a fresh start", stop - 1,
+            int(ExitCode.NO_PROGRESS), self.checkpointer.root / progress_guard.STARTS_FILE,
+        )
+        return True
+
+    def _job_end_time(self) -> float | None:
+        """The job's end (Unix time, rank 0 only): ``wall_time_s`` from now, else Slurm's EndTime."""
+        sched_cfg = self.config.step_scheduler
+        if not sched_cfg.deadline_stop or self.ctx.rank != 0:
+            return None
+        if sched_cfg.wall_time_s is not None:
+            return time.time() + sched_cfg.wall_time_s
+        job = SlurmJob.from_env()
+        return job.end_time() if job is not None else None
+
+    def _deadline_flag(self) -> int:
+        """STOP_DEADLINE on rank 0 once the time left no longer covers a stop (see resilience.timing)."""
+        if self._end_time is None:
+            return 0
+        sched_cfg = self.config.step_scheduler
+        late = must_stop(time.time(), self._end_time, self.timer.step_s, self.timer.save_s,
+                         agreement_every_steps=sched_cfg.agreement_every_steps, safety=sched_cfg.deadline_safety)
+        return STOP_DEADLINE if late else 0
+
+    def _warn_lead_time(self, timings: dict[str, Any]) -> None:
+        """Warn (rank 0, once) when the Slurm signal's lead time cannot cover a stop, judged from
+        the timings of the resumed checkpoint now and from this run's own after its first save."""
+        if self.ctx.rank != 0 or self._lead_time_warned:
+            return
+        lead = os.environ.get("RESILIENCE_SIGNAL_LEAD_S")
+        if lead is None and SlurmJob.from_env() is None:
+            return
+        lead_s = float(lead) if lead is not None else float(self.config.slurm.signal_lead_s)
+        sched_cfg = self.config.step_scheduler
+        warning = lead_time_warning(lead_s, timings.get("step_s"), timings.get("save_s"),
+                                    agreement_every_steps=sched_cfg.agreement_every_steps, safety=sched_cfg.deadline_safety)
+        if warning:
+            log.warning(warning)
+            self._lead_time_warned = True
 
     def _stop(self, step: int, when: str, *, save: bool) -> None:
         """Every rank stops at ``step``: save it (unless already saved), publish, exit PREEMPTED."""
@@ -277,6 +347,7 @@ class ResilientLoop:
         started = self.timer.clock()
         self.checkpointer.save(self.state, self.scheduler, reason=reason)
         self.timer.record_save(self.timer.clock() - started)
+        self._warn_lead_time(self.timer.as_dict())
 
     def _truncate_log(self, global_step: int) -> None:
         """Drop log rows of steps after the resumed one (they were redone after a crash)."""

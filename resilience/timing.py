@@ -65,3 +65,21 @@ def must_stop(now: float, end_time: float | None, step_s: float | None, save_s: 
         return False
     needed = seconds_needed(step_s, save_s if save_s is not None else step_s, agreement_every_steps=agreement_every_steps, safety=safety)
     return end_time - now <= needed
+
+
+def lead_time_warning(lead_s: float, step_s: float | None, save_s: float | None, *,
+                      agreement_every_steps: int = 1, safety: float = 1.5) -> str | None:
+    """A warning when a signal ``lead_s`` seconds before the end (Slurm ``--signal=...@N``) is too
+    late for a stop: shorter than :func:`seconds_needed`. ``None`` when it is long enough or
+    nothing has been timed yet."""
+    if step_s is None:
+        return None
+    save = save_s if save_s is not None else step_s
+    needed = seconds_needed(step_s, save, agreement_every_steps=agreement_every_steps, safety=safety)
+    if lead_s >= needed:
+        return None
+    return (
+        f"the stop signal comes {lead_s:g} s before the end, but a stop needs about {needed:.1f} s "
+        f"(({2 * agreement_every_steps - 1} step(s) x {step_s:.2f} s + one save of {save:.2f} s) x {safety:g}): "
+        f"raise slurm.signal_lead_s (--signal=...@N) to at least {int(needed) + 1}"
+    )
