@@ -1,8 +1,30 @@
-"""Atomic, durable, validated checkpoints: layout, publish, write, read."""
+"""Atomic, durable, validated checkpoints: layout, publish, write, read.
 
-from resilience.checkpoint.checkpointer import Checkpointer, Restored, TrainingState
-from resilience.checkpoint.manifest import CheckpointInvalid
-from resilience.checkpoint.reader import CheckpointNotFound
-from resilience.checkpoint.writer import CheckpointSaveError
+Names load lazily, so the torch-free modules here (layout, manifest, pointers, durable) serve
+``resilience status``/``verify`` without importing torch.
+"""
 
-__all__ = ["Checkpointer", "TrainingState", "Restored", "CheckpointInvalid", "CheckpointNotFound", "CheckpointSaveError"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Checkpointer": "resilience.checkpoint.checkpointer",
+    "TrainingState": "resilience.checkpoint.checkpointer",
+    "Restored": "resilience.checkpoint.checkpointer",
+    "CheckpointInvalid": "resilience.checkpoint.manifest",
+    "CheckpointNotFound": "resilience.checkpoint.reader",
+    "CheckpointSaveError": "resilience.checkpoint.writer",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resilience.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
