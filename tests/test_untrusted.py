@@ -11,7 +11,7 @@ import torch
 
 from resilience.checkpoint import Checkpointer, TrainingState
 from resilience.checkpoint.durable import sha256_file
-from resilience.checkpoint.optim_io import UnsafeCheckpointError
+from resilience.checkpoint.dcp_io import UnsafeCheckpointError
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler

@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -43,7 +41,7 @@ except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor
 
 from resilience.checkpoint import consolidate as consolidation
-from resilience.checkpoint import hf_export
+from resilience.checkpoint import dcp_io, hf_export
 from resilience.checkpoint.layout import model_shard_name
 
 MODEL_DIR = "model"
@@ -116,9 +114,7 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
         hf_export.load_adapter(model_dir, model)
     elif (model_dir / ".metadata").is_file():
         state = get_model_state_dict(model)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(model_dir)), process_group=group)
+        dcp_io.load_tensors(state, model_dir, group=group)
         set_model_state_dict(model, state)
     else:
         layout = consolidation.read_layout(model_dir)
@@ -133,15 +129,7 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
 
 # -- torch_save: DCP -------------------------------------------------------------------------------
 def _save_dcp(staging: Path, state: dict[str, torch.Tensor], *, rank: int, group: Any) -> list[str]:
-    target = staging / MODEL_DIR
-    writer = dcp.FileSystemWriter(str(target), sync_files=True, single_file_per_rank=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        dcp.save(state, storage_writer=writer, process_group=group)
-    written = [f"{MODEL_DIR}/{p.name}" for p in target.glob(f"__{rank}_*.distcp")]
-    if rank == 0:
-        written.append(f"{MODEL_DIR}/.metadata")
-    return written
+    return [f"{MODEL_DIR}/{name}" for name in dcp_io.save_tensors(state, staging / MODEL_DIR, rank=rank, group=group)]
 
 
 # -- safetensors: per-rank shards ------------------------------------------------------------------

@@ -1,69 +1,21 @@
 """Optimizer state via ``torch.distributed.checkpoint`` (DCP) under ``optim/``.
 
-DCP stores non-tensor leaves by pickling them, and loads them with ``weights_only=False``; so
-only tensors go to DCP, and everything else (param groups, Python scalars, tensor shapes and
-dtypes needed to pre-allocate the load targets) goes to ``optim/skeleton.json``. This module is
-the one place that talks to DCP.
+Only tensors go to DCP (see :mod:`resilience.checkpoint.dcp_io`); everything else (param
+groups, Python scalars, tensor shapes and dtypes needed to pre-allocate the load targets) goes
+to ``optim/skeleton.json``.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A DCP ``.metadata`` file asks to unpickle something other than DCP's own metadata."""
-
-
-# What DCP's own .metadata pickle refers to (torch 2.4 - 2.13); anything else is refused, so a
-# crafted checkpoint cannot run code when it is loaded.
-_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
-_ALLOWED = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpointError(f"DCP metadata refers to {module}.{name}; refusing to unpickle it")
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's reader with a restricted unpickler for ``.metadata``, refusing pickled (bytes)
-    entries, which DCP would unpickle with weights_only=False. We never write any."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = Path(self.path) / ".metadata"
-        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
-
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpointError(f"{path}: not DCP metadata")
-        for key, entry in metadata.state_dict_metadata.items():
-            if isinstance(entry, BytesStorageMetadata):
-                raise UnsafeCheckpointError(f"{path}: entry {key!r} is pickled bytes; refusing to load it")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
+from resilience.checkpoint import dcp_io
+from resilience.checkpoint.dcp_io import UnsafeCheckpointError  # noqa: F401  (re-exported)
 
 OPTIM_DIR = "optim"
 SKELETON = f"{OPTIM_DIR}/skeleton.json"
@@ -98,16 +50,10 @@ def save_optimizer(staging: Path, captured: tuple[dict[str, torch.Tensor], dict[
     Returns the relative paths this rank wrote. DCP fsyncs its own files (``sync_files``).
     """
     tensors, skeleton = captured
-    target = staging / OPTIM_DIR
-    target.mkdir(exist_ok=True)
-    writer = dcp.FileSystemWriter(str(target), sync_files=True, single_file_per_rank=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        dcp.save(tensors, storage_writer=writer, process_group=group)
-    written = [f"{OPTIM_DIR}/{p.name}" for p in target.glob(f"__{rank}_*.distcp")]
+    written = [f"{OPTIM_DIR}/{name}" for name in dcp_io.save_tensors(tensors, staging / OPTIM_DIR, rank=rank, group=group)]
     if rank == 0:
         (staging / SKELETON).write_text(json.dumps(skeleton))
-        written += [f"{OPTIM_DIR}/.metadata", SKELETON]
+        written.append(SKELETON)
     return written
 
 
@@ -123,11 +69,7 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
                 tensors[spec["tensor"]] = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
             else:
                 state[fqn][name] = spec["value"]
-    reader = SafeFileSystemReader(str(directory / OPTIM_DIR))
-    reader.read_metadata()  # refuse a crafted .metadata here, with our error, before DCP wraps it
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(tensors, storage_reader=reader, process_group=group)
+    dcp_io.load_tensors(tensors, directory / OPTIM_DIR, group=group)
     for fqn, entries in skeleton["state"].items():
         for name, spec in entries.items():
             if "tensor" in spec:

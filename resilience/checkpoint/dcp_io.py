@@ -1,0 +1,89 @@
+"""The one adapter to ``torch.distributed.checkpoint`` (DCP): save and load tensors only.
+
+DCP stores non-tensor leaves by pickling them and loads them with ``weights_only=False``, and
+its ``.metadata`` file is a pickle; so only tensors go in, and ``.metadata`` is read with an
+unpickler that accepts DCP's own classes alone.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A DCP ``.metadata`` file asks to unpickle something other than DCP's own metadata."""
+
+
+# What DCP's own .metadata pickle refers to (torch 2.4 - 2.13); anything else is refused, so a
+# crafted checkpoint cannot run code when it is loaded.
+_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(f"DCP metadata refers to {module}.{name}; refusing to unpickle it")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's reader with a restricted unpickler for ``.metadata``, refusing pickled (bytes)
+    entries, which DCP would unpickle with weights_only=False. We never write any."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = Path(self.path) / ".metadata"
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpointError(f"{path}: not DCP metadata")
+        for key, entry in metadata.state_dict_metadata.items():
+            if isinstance(entry, BytesStorageMetadata):
+                raise UnsafeCheckpointError(f"{path}: entry {key!r} is pickled bytes; refusing to load it")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], target: Path, *, rank: int, group: Any) -> list[str]:
+    """Write ``tensors`` as DCP files under ``target`` (a collective over ``group``: every rank
+    calls it); returns the names, relative to ``target``, of the files this rank wrote (rank 0
+    also owns ``.metadata``). DCP fsyncs its files (``sync_files``)."""
+    target.mkdir(parents=True, exist_ok=True)
+    writer = dcp.FileSystemWriter(str(target), sync_files=True, single_file_per_rank=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        dcp.save(tensors, storage_writer=writer, process_group=group)
+    written = [p.name for p in target.glob(f"__{rank}_*.distcp")]
+    return written + [".metadata"] if rank == 0 else written
+
+
+def load_tensors(tensors: dict[str, torch.Tensor], source: Path, *, group: Any) -> None:
+    """Fill the pre-allocated ``tensors`` in place from DCP files under ``source`` (a collective).
+
+    Raises:
+        UnsafeCheckpointError: ``.metadata`` refers to anything but DCP's own classes.
+    """
+    reader = SafeFileSystemReader(str(source))
+    reader.read_metadata()  # refuse a crafted .metadata here, with our error, before DCP wraps it
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(tensors, storage_reader=reader, process_group=group)
