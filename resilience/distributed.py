@@ -23,6 +23,8 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     group: Any = None
+    owned: bool = False
+    """True when :meth:`from_env` created ``group`` (then :meth:`close` destroys it)."""
 
     @classmethod
     def from_env(cls, *, timeout_s: float | None = None) -> "DistContext":
@@ -33,7 +35,18 @@ class DistContext:
             return cls()
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         group = dist.new_group(backend="gloo", timeout=timeout)
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), group=group)
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), group=group, owned=True)
+
+    def close(self) -> None:
+        """Destroy the group :meth:`from_env` created (a local operation; idempotent). Gloo groups
+        left alive until interpreter exit can abort the process while their threads unwind."""
+        if self.owned and self.group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(self.group)
+            except (RuntimeError, ValueError):
+                pass  # already gone with the default group
+        self.group = None
+        self.owned = False
 
     @property
     def distributed(self) -> bool:

@@ -29,7 +29,7 @@ from resilience.checkpoint.layout import TRASH_PREFIX, MANIFEST, checkpoint_name
 from resilience.checkpoint.reader import CheckpointNotFound, find_resume_checkpoint
 from resilience.checkpoint.staging import StagingBuffers
 from resilience.checkpoint.writer import Part, remove_leftovers, save_checkpoint
-from resilience.config import CheckpointConfig
+from resilience.config import _URL, CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
 from resilience.state.data_position import data_position_json, read_data_position
 from resilience.state.rng import capture_rng_state, load_rng_state, write_rng_state
@@ -113,9 +113,31 @@ class Checkpointer:
         self._async: AsyncWriter | None = None
         self._async_ctx: DistContext | None = None
         self._buffers = StagingBuffers()
+        self._check_root()
         if config.is_async and config.enabled and config.enable_save:
             self._async = AsyncWriter()
             self._async_ctx = DistContext.from_env(timeout_s=config.async_timeout_s) if ctx.distributed else ctx
+
+    def _check_root(self) -> None:
+        """Refuse a ``checkpoint_dir`` that cannot hold checkpoints, before any training and on
+        every rank alike: rank 0 looks (creating the directory, as the first save would, and a
+        probe file in it when saving), then broadcasts what it found, so no rank goes on to wait
+        in a collective for a peer that raised. URL-like directories are not checked.
+
+        Raises:
+            ConfigError: naming ``checkpoint.checkpoint_dir``: it (or a parent) is not a directory,
+                or, when saving, it cannot be created or written.
+        """
+        if not self.config.enabled or _URL.match(self.config.checkpoint_dir):
+            return
+        problem = _root_problem(self.root, saving=self.config.enable_save) if self.ctx.rank == 0 else None
+        if self.ctx.distributed:
+            problem = self.ctx.broadcast_object(problem)
+        if problem:
+            raise ConfigError(
+                f"checkpoint.checkpoint_dir={self.config.checkpoint_dir!r}: {problem}; accepted: a directory "
+                "(existing, or one that can be created) that every rank's process can write"
+            )
 
     def record_validation(self, global_step: int, metrics: dict[str, Any]) -> tuple[str, float | None]:
         """Remember ``metrics`` for the checkpoint of ``global_step``; returns the deciding metric.
@@ -196,11 +218,14 @@ class Checkpointer:
         return self._async is not None and self._async.in_flight
 
     def close(self) -> None:
-        """Wait for the save in flight (see :meth:`wait`) and release the staging buffers."""
+        """Wait for the save in flight (see :meth:`wait`), release the staging buffers and the
+        background writer's process group."""
         try:
             self.wait()
         finally:
             self._buffers.forget()
+            if self._async_ctx is not None and self._async_ctx is not self.ctx and not self.save_in_flight:
+                self._async_ctx.close()
 
     def _after_publish(self, final: Path, value: float | None) -> None:
         """Rank 0, once ``LATEST`` names ``final``: move ``LOWEST_VAL``, then apply retention."""
@@ -400,6 +425,31 @@ class Checkpointer:
         """Apply this rank's saved RNG state."""
         if restored.rng_file is not None:
             load_rng_state(restored.rng_file)
+
+
+def _root_problem(root: Path, *, saving: bool) -> str | None:
+    """Why ``root`` cannot be the checkpoint directory, or ``None`` (see ``Checkpointer._check_root``)."""
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # the nearest existing ancestor: the first save creates the rest
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory" if existing == root else f"{existing}, a parent of it, is a file"
+    if not saving:
+        return None  # reading only: a directory that does not exist yet just holds no checkpoint
+    # A real attempt (mode bits, ACLs, read-only mounts and root squashing all answer it), undone
+    # at once: a file in the directory, or the first missing directory under its nearest ancestor.
+    probe = existing / f".write_probe.{os.getpid()}"
+    try:
+        if existing == root:
+            probe.write_bytes(b"")
+            probe.unlink()
+        else:
+            probe.mkdir()
+            probe.rmdir()
+    except OSError as exc:
+        what = "write in" if existing == root else "create directories in"
+        return f"cannot {what} {existing} ({exc.strerror or exc})"
+    return None
 
 
 def _epoch_of(scheduler: StepScheduler) -> int:

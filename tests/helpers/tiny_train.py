@@ -77,4 +77,6 @@ with loop:
         if sleep_s:
             time.sleep(sleep_s)
 print(f"rank {rank}: exit {int(loop.exit_code)}", flush=True)
+if world > 1:
+    dist.destroy_process_group()
 sys.exit(int(loop.exit_code))
