@@ -24,17 +24,34 @@ def ready_marker(ready_dir: str | os.PathLike, rank: int) -> Path:
     return Path(ready_dir) / f"rank_{rank}"
 
 
-def mark_ready_and_check_stop(env: Mapping[str, str] | None = None) -> bool:
+def stop_taken_marker(ready_dir: str | os.PathLike, rank: int) -> Path:
+    """Path of rank ``rank``'s "stop taken" marker: the rank found the stop file when it got
+    ready and acts on it, so the launcher drops the stop signals it held for that rank."""
+    return Path(ready_dir) / f"rank_{rank}.stop_taken"
+
+
+def mark_ready_and_check_stop(env: Mapping[str, str] | None = None, *, acts_on_stop: bool = True) -> bool:
     """Called by a rank after its handlers are installed: create its ready marker, then return
-    whether a stop was already requested. Order matters (mark first, then read)."""
+    whether a stop was already requested. Order matters (mark first, then read).
+
+    When a stop was requested and ``acts_on_stop`` (the rank stops for it), the rank also
+    creates its :func:`stop_taken_marker`: the stop has reached it, and a held signal delivered
+    later could land after its loop ended and its default disposition (terminate) is back."""
     env = os.environ if env is None else env
     ready_dir = env.get(READY_DIR_ENV)
+    rank = int(env.get("RANK", "0"))
     if ready_dir and os.path.isdir(ready_dir):
         try:
-            ready_marker(ready_dir, int(env.get("RANK", "0"))).touch()
+            ready_marker(ready_dir, rank).touch()
         except OSError:
             pass  # the launcher then falls back to its ready timeout
-    return stop_requested(env)
+    stopped = stop_requested(env)
+    if stopped and acts_on_stop and ready_dir and os.path.isdir(ready_dir):
+        try:
+            stop_taken_marker(ready_dir, rank).touch()
+        except OSError:
+            pass  # the launcher then delivers the held signal, which the handler still records
+    return stopped
 
 
 def stop_requested(env: Mapping[str, str] | None = None) -> bool:

@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 
 from resilience.exit_codes import ExitCode
-from resilience.handshake import READY_DIR_ENV, STOP_FILE_ENV, ready_marker, request_stop
+from resilience.handshake import READY_DIR_ENV, STOP_FILE_ENV, ready_marker, request_stop, stop_taken_marker
 
 #: Signals the ``run`` command records and forwards to every live rank. USR1/USR2/TERM are
 #: what Slurm sends (``--signal``, preemption, time limit, ``scancel``); INT, HUP and QUIT are
@@ -96,6 +96,19 @@ def _describe(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"code {code}"
+
+
+def _catches(pid: int, sig: int) -> bool | None:
+    """Whether process ``pid`` has a handler for ``sig`` now (bit ``sig - 1`` of ``SigCgt`` in
+    ``/proc/PID/status``, Linux); ``None`` when that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def combine_exit_codes(codes: Sequence[int]) -> int:
@@ -277,25 +290,34 @@ class RankGroup:
             sent.append(local)
         return sent
 
-    def is_ready(self, local: int) -> bool:
-        """True once local rank ``local`` has installed its signal handlers (its ready marker
-        exists; see :mod:`resilience.handshake`), or ``ready_timeout_s`` after the start, so a
-        program that never takes part in the handshake still gets its signals."""
-        if self.ready_dir is None or time.monotonic() - self._started_at >= self.ready_timeout_s:
+    def is_ready(self, local: int, sig: int | None = None) -> bool:
+        """True when a stop signal may be sent to local rank ``local`` without killing it: it has
+        installed its handlers (its ready marker exists; see :mod:`resilience.handshake`), or it
+        has a handler for ``sig`` now (``SigCgt`` of ``/proc/PID/status``, as the Slurm templates
+        check; a program with handlers of its own). A rank that does neither is not ready,
+        however long it takes: a model that builds for minutes must not be killed by the signal
+        (the stop waits in the stop file). Only where ``/proc`` cannot be read does
+        ``ready_timeout_s`` after the start count as ready, so such a program still gets its signals."""
+        if self.ready_dir is None or ready_marker(self.ready_dir, self.ranks[local]).exists():
             return True
-        return ready_marker(self.ready_dir, self.ranks[local]).exists()
+        catches = _catches(self.procs[local].pid, sig) if sig is not None else None
+        if catches is not None:
+            return catches
+        return time.monotonic() - self._started_at >= self.ready_timeout_s
 
     def request_stop(self, sig: int) -> tuple[list[int], list[int]]:
         """Record a stop in the stop file, then send ``sig`` to the ready ranks; hold it for the
         others until they are ready (a rank without its handler would die of it) — they read the
-        stop file when they get ready. Returns (local ranks signalled, local ranks held)."""
+        stop file when they get ready. A held signal is dropped, not sent, for a rank that says
+        it took the stop from the file (:func:`resilience.handshake.stop_taken_marker`).
+        Returns (local ranks signalled, local ranks held)."""
         if self.stop_file is not None:
             try:
                 request_stop(self.stop_file)
             except OSError as error:
                 self._log(f"cannot record the stop in {self.stop_file}: {error}")
         live = self.live_ranks()
-        ready = [local for local in live if self.is_ready(local)]
+        ready = [local for local in live if self.is_ready(local, sig)]
         held = [local for local in live if local not in ready]
         for local in held:
             self._held.setdefault(local, []).append(sig)
@@ -305,7 +327,11 @@ class RankGroup:
         for local in list(self._held):
             if self.procs[local].poll() is not None:
                 del self._held[local]
-            elif self.is_ready(local):
+            elif self.ready_dir is not None and stop_taken_marker(self.ready_dir, self.ranks[local]).exists():
+                # It read the stop file when it got ready and stops for it: the held signal could
+                # reach it after its loop ended, with the default disposition back, and kill it.
+                del self._held[local]
+            elif all(self.is_ready(local, sig) for sig in self._held[local]):
                 for sig in self._held.pop(local):
                     self.send_signal(sig, [local])
 

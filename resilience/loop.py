@@ -157,29 +157,34 @@ class ResilientLoop:
         warning = signal_reach_warning()
         if warning and self.ctx.rank == 0 and sched_cfg.signals:
             log.warning(warning)
-        with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=sched_cfg.agreement_every_steps) as agreement:
-            # A stop the launcher or batch script recorded before this rank could receive it.
-            stop_before_start = mark_ready_and_check_stop() and bool(sched_cfg.signals)
-            self._pending = lambda: STOP_PREEMPTION if (signals or stop_before_start) else 0
-            self._agreement = agreement
-            try:
-                restored = self._resume()
-                if self._guard_no_progress():
-                    return
-                self._end_time = self._job_end_time()
-                self._warn_lead_time(restored.meta.get("timings", {}) if restored else {})
-                # A signal during model building or resume loading: stop before the first step.
-                # Nothing new to save: LATEST (if any) already holds this state.
-                if agreement.agree_now(self._pending()):
-                    self._stop(scheduler.global_step, "before the first step", save=False)
-                    return
-                yield from self._steps(restored, agreement)
-            finally:
-                if self.exit_code is None:  # an exception: let a save in flight finish, quietly
-                    try:
+        try:
+            with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=sched_cfg.agreement_every_steps) as agreement:
+                # A stop the launcher or batch script recorded before this rank could receive it.
+                stop_before_start = mark_ready_and_check_stop(acts_on_stop=bool(sched_cfg.signals)) and bool(sched_cfg.signals)
+                self._pending = lambda: STOP_PREEMPTION if (signals or stop_before_start) else 0
+                self._agreement = agreement
+                try:
+                    restored = self._resume()
+                    if self._guard_no_progress():
+                        return
+                    self._end_time = self._job_end_time()
+                    self._warn_lead_time(restored.meta.get("timings", {}) if restored else {})
+                    # A signal during model building or resume loading: stop before the first step.
+                    # Nothing new to save: LATEST (if any) already holds this state.
+                    if agreement.agree_now(self._pending()):
+                        self._stop(scheduler.global_step, "before the first step", save=False)
+                        return
+                    yield from self._steps(restored, agreement)
+                finally:
+                    if self.exit_code is None:  # an exception: let a save in flight finish, quietly
+                        try:
+                            self.checkpointer.close()
+                        except Exception as exc:  # noqa: BLE001 - the original error matters more
+                            log.warning("rank %d: the save in flight failed too: %s", self.ctx.rank, exc)
+                    else:
                         self.checkpointer.close()
-                    except Exception as exc:  # noqa: BLE001 - the original error matters more
-                        log.warning("rank %d: the save in flight failed too: %s", self.ctx.rank, exc)
+        finally:
+            self.ctx.close()  # our gloo group (the agreement drained its last collective on exit)
 
     def _steps(self, restored, agreement) -> Iterator[Step]:
         sched_cfg = self.config.step_scheduler
@@ -222,7 +227,7 @@ class ResilientLoop:
         if self.checkpointer.last_saved_step != scheduler.global_step:
             self._save("final")
         self.checkpointer.wait()  # the end of training publishes before it reports DONE
-        if self.ctx.rank == 0 and self.config.checkpoint.enabled:
+        if self.ctx.rank == 0 and self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
             progress_guard.reset(self.checkpointer.root)
         self.exit_code = ExitCode.DONE
 
@@ -230,7 +235,7 @@ class ResilientLoop:
         """The requeue-loop guard (rank 0 decides, every rank learns): True when this run must end
         with NO_PROGRESS because the attempts before it saved nothing new."""
         limit = self.config.checkpoint.max_restarts_without_progress
-        if not self.config.checkpoint.enabled or limit is None:
+        if not (self.config.checkpoint.enabled and self.config.checkpoint.enable_save) or limit is None:
             return False
         stop = None
         if self.ctx.rank == 0:
@@ -309,6 +314,8 @@ class ResilientLoop:
     def _resume(self):
         directory = self.checkpointer.find_resume_point()
         if directory is None:
+            if self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
+                self._truncate_log(0)  # rows of a run that died before its first checkpoint: redone now
             return None
         restored = self.checkpointer.load(directory, self.state)
         self.resumed_from = directory
