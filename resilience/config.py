@@ -391,7 +391,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     """Read a YAML file (or nothing), apply dotted overrides, and validate.
 
     Raises:
-        ConfigError: unreadable file, invalid YAML, a top level that is not a mapping, or any
+        ConfigError: unreadable file, a file that is not UTF-8, invalid YAML, a top level that is not a mapping, or any
             invalid key/value (see :func:`config_from_dict`).
     """
     data: dict[str, Any] = {}
@@ -400,6 +400,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             text = Path(path).read_text()
         except OSError as exc:
             raise ConfigError(f"config file {path}: cannot read it ({exc.strerror or exc})") from exc
+        except UnicodeDecodeError as exc:  # a ValueError, not an OSError: binary or another encoding
+            raise ConfigError(f"config file {path}: not UTF-8 text ({exc.reason} at byte {exc.start}); accepted: a UTF-8 YAML file") from exc
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:

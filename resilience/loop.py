@@ -211,14 +211,17 @@ class ResilientLoop:
                 stop = agreement.update(scheduler.global_step, max(self._pending(), self._deadline_flag()))
                 if scheduler.done:
                     break  # a stop during the final step: finish normally
-                if stop or self._stop_agreed_in_step:
+                # The last batch of the last epoch is the final step too (the scheduler counts the
+                # epoch as finished only once its iterator is exhausted): a stop there finishes normally.
+                final = self._last_batch_of_training(loader)
+                if (stop or self._stop_agreed_in_step) and not final:
                     self._stop(scheduler.global_step, "for the job's deadline" if stop == STOP_DEADLINE else "agreed", save=True)
                     return
                 every = sched_cfg.ckpt_every_steps
                 if every and scheduler.global_step % every == 0:
                     self._save("periodic")
                     # A signal during that save: it is this step's checkpoint; stop without a second one.
-                    if agreement.agree_now(self._pending()):
+                    if agreement.agree_now(self._pending()) and not final:
                         self._stop(scheduler.global_step, "during a save", save=False)
                         return
             else:
@@ -230,6 +233,15 @@ class ResilientLoop:
         if self.ctx.rank == 0 and self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
             progress_guard.reset(self.checkpointer.root)
         self.exit_code = ExitCode.DONE
+
+    def _last_batch_of_training(self, loader: Any) -> bool:
+        """True right after the last batch of the last epoch, for a loader with a length (one
+        without cannot tell before its iterator is exhausted, and then ends at that point)."""
+        scheduler = self.scheduler
+        if scheduler.epoch + 1 < scheduler.num_epochs:
+            return False
+        length = _safe_len(loader)
+        return length is not None and scheduler.batches_in_epoch >= length
 
     def _guard_no_progress(self) -> bool:
         """The requeue-loop guard (rank 0 decides, every rank learns): True when this run must end
@@ -304,7 +316,8 @@ class ResilientLoop:
         was requested on any rank. Call it on every rank at the same points; when it returns
         True, abandon the phase and return from the body: the loop then saves the step (its
         training part is complete) and ends with PREEMPTED, without waiting for the next
-        agreement round. Costs one blocking all-reduce per call."""
+        agreement round; in the final step of training it finishes normally (DONE) instead.
+        Costs one blocking all-reduce per call."""
         if self._agreement is None:
             return False
         if not self._stop_agreed_in_step and self._agreement.agree_now(self._pending()):

@@ -1,0 +1,202 @@
+"""``python -m bench`` (``make bench``): every benchmark of issue 7, a markdown table, and JSON.
+
+    python -m bench                    # ~1 GiB fp32 model + Adam state (3 GiB), 5 rounds
+    python -m bench --size 256M --repeat 3
+    python -m bench --quick            # a tiny smoke run (the test suite's)
+    python -m bench --only save,load   # some sections: save, load, rss, async, agreement, exit
+
+Progress goes to stderr; the table (and the breakdown of our save and load) to stdout; the
+figures, with the raw times (s) and sizes (bytes) beside them, to ``bench/results/latest.json``
+(``--out``). Targets are printed with PASS/MISS; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+SECTIONS = ("save", "load", "rss", "async", "agreement", "exit")
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    from bench.common import DEFAULT_WORKDIR, REPO, parse_size
+
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default=None, help="fp32 model size, bytes or with K/M/G (default 1G; the Adam state adds 2x)")
+    parser.add_argument("--repeat", type=int, default=None, help="rounds per figure (default 5, --quick 1)")
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run: 4M model, 1 round, short DDP blocks")
+    parser.add_argument("--dir", default=str(DEFAULT_WORKDIR), help="scratch directory on the filesystem to measure (default bench/tmp)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "latest.json"), help="where the JSON goes")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections to run ({','.join(SECTIONS)})")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the timed phases of our save and load")
+    args = parser.parse_args(argv)
+    try:
+        args.size = parse_size(args.size or ("4M" if args.quick else "1G"))
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 5
+    if args.repeat < 1:
+        parser.error(f"--repeat: must be >= 1, got {args.repeat}")
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(args.only) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--only: unknown sections {unknown}; accepted: {', '.join(SECTIONS)}")
+    if "load" in args.only and "save" not in args.only:
+        args.only.insert(0, "save")  # the load reads what the save benchmark wrote
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    import torch
+
+    from bench import report
+    from bench.common import build_state, filesystem_of, human_bytes, nbytes, remove, state_tensors
+
+    def log(message: str) -> None:
+        print(f"bench: {message}", file=sys.stderr, flush=True)
+
+    _remove_stale_runs(Path(args.dir).absolute())
+    run_dir = Path(args.dir).absolute() / f"run-{os.getpid()}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    mount, fstype = filesystem_of(run_dir)
+    if fstype in ("tmpfs", "ramfs"):
+        log(f"WARNING: {run_dir} is on {fstype}: the disk figures measure memory, not a disk; pass --dir on a real disk")
+    meta: dict[str, Any] = {
+        "started_at": datetime.datetime.now().isoformat(timespec="seconds"),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "quick": args.quick,
+        "repeat": args.repeat,
+        "model_bytes_requested": args.size,
+        "dir": str(run_dir),
+        "filesystem": {"mount": mount, "type": fstype},
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_at_start": os.getloadavg(),
+        "sections": {},
+    }
+    results: dict[str, Any] = {}
+    failed = False
+    started = time.perf_counter()
+
+    def section(name: str, fn: Callable[[], Any]) -> None:
+        nonlocal failed
+        if name not in args.only:
+            return
+        t0 = time.perf_counter()
+        load0 = os.getloadavg()[0]
+        log(f"--- {name} --- (load average {load0:.1f})")
+        try:
+            results[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - one broken section must not lose the others
+            failed = True
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            log(f"{name} FAILED:\n{traceback.format_exc()}")
+        seconds = time.perf_counter() - t0
+        meta["sections"][name] = {"seconds": seconds, "loadavg_1min_at_start": load0, "loadavg_1min_at_end": os.getloadavg()[0]}
+        log(f"{name}: {seconds:.1f} s")
+
+    try:
+        model = optimizer = None
+        if set(args.only) & {"save", "load", "rss", "async"}:
+            log(f"building a {human_bytes(args.size)} fp32 model and its Adam state ...")
+            model, optimizer = build_state(args.size)
+            tensors = state_tensors(model, optimizer)
+            meta.update(model_bytes=sum(p.numel() * 4 for p in model.parameters()), state_bytes=nbytes(tensors), state_tensors=len(tensors))
+            log(f"state: {human_bytes(meta['state_bytes'])} in {len(tensors)} tensors ({meta['model_bytes']} bytes of weights); work dir {run_dir} ({fstype})")
+            del tensors
+        from bench import ddp, storage
+
+        section("save", lambda: storage.bench_save(run_dir, model, optimizer, args.repeat, log))
+        section("load", lambda: storage.bench_load(run_dir, model, optimizer, args.repeat, log) if "error" not in results.get("save", {}) else _raise("the save section failed"))
+        if model is not None and not args.no_breakdown and "save" in args.only:
+            args.only.append("breakdown")
+            section("breakdown", lambda: storage.breakdown(run_dir, model, optimizer))
+        for name in ("raw.bin", "ours", "torch_save.pt", "dcp", "state.safetensors"):
+            remove(run_dir / name)
+        # Peak memory barely varies between runs, and each costs a full save: at most 3 rounds.
+        section("rss", lambda: storage.bench_peak_rss(run_dir, model, optimizer, min(args.repeat, 3), log))
+        if "async" in args.only:
+            from bench import async_save
+
+            section("async", lambda: async_save.bench_async(run_dir, model, optimizer, args.repeat, log))
+        del model, optimizer
+        quick = args.quick
+        section("agreement", lambda: ddp.bench_agreement(
+            run_dir, rounds=1 if quick else max(2 * args.repeat, 4), steps=20 if quick else 300, big_k=10,
+            latency_trials=1 if quick else max(args.repeat, 3), saves=1 if quick else 3, timeout_s=120 if quick else 900, log=log,
+        ))
+        section("exit", lambda: ddp.bench_exit(
+            run_dir, trials=1 if quick else max(1, min(args.repeat, 3)), modes=("one",) if quick else ("all", "one"),
+            after_steps=20, timeout_s=120, log=log, teardown_cases=("plain",) if quick else ("plain", "gc_freeze", "os_exit"),
+        ))
+    finally:
+        remove(run_dir)
+        try:
+            run_dir.parent.rmdir()  # only when empty: another run may be using it
+        except OSError:
+            pass
+
+    fig = report.figures(results)
+    meta["seconds"] = time.perf_counter() - started
+    meta["loadavg_at_end"] = os.getloadavg()
+    doc = {**fig, "meta": meta, "details": {name: _jsonable(value) for name, value in results.items()}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+    state = meta.get("state_bytes")
+    title = f"State: {human_bytes(state)} fp32 in {meta.get('state_tensors')} tensors (model + Adam)" if state else "State: n/a"
+    print(f"## Benchmarks ({meta['started_at']}, {meta['cpus']} CPUs, torch {meta['torch']}, {fstype} at {mount})\n")
+    print(f"{title}; medians of {args.repeat} round(s), each ratio paired with its anchor in the same round; "
+          f"load average {meta['loadavg_at_start'][0]:.1f} at the start, {meta['loadavg_at_end'][0]:.1f} at the end.\n")
+    print(report.table(fig, meta))
+    if isinstance(results.get("breakdown"), dict) and "save" in results["breakdown"]:
+        print("\nWhere our save and load spend their time (one run, phases nest):\n")
+        print(report.breakdown_table(results["breakdown"]))
+    print(f"\nJSON: {out}")
+    return 1 if failed else 0
+
+
+def _remove_stale_runs(workdir: Path) -> None:
+    """Delete ``run-<pid>`` scratch directories of benchmark runs that were killed (their pid is
+    gone), so an interrupted run does not leave gigabytes behind."""
+    from bench.common import remove
+
+    if not workdir.is_dir():
+        return
+    for child in workdir.glob("run-*"):
+        try:
+            pid = int(child.name[4:])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            remove(child)
+        except PermissionError:
+            pass
+
+
+def _raise(message: str):
+    raise RuntimeError(message)
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
