@@ -34,10 +34,10 @@ def counting_save(self, *args, **kwargs):
     saves += 1
     result = original_save(self, *args, **kwargs)
     if saves == 1 and rank == 0 and os.environ.get("FILL_AFTER_FIRST_SAVE"):
-        # leave ~8 KiB free on the checkpoint's filesystem: the next save runs out of space
+        # leave ~48 KiB free: the logs still fit, the next checkpoint (~90 KiB) does not
         stat = os.statvfs(ckpt_dir)
         with open(os.path.join(os.path.dirname(os.path.abspath(ckpt_dir)), "filler"), "wb") as fh:
-            fh.write(b"\0" * max(0, stat.f_bavail * stat.f_frsize - 8192))
+            fh.write(b"\0" * max(0, stat.f_bavail * stat.f_frsize - 49152))
     return result
 
 
