@@ -63,20 +63,23 @@ batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for
 raise_at = int(os.environ.get("RAISE_AT_STEP", "0"))
 sleep_s = float(os.environ.get("SLEEP_PER_STEP_S", "0"))
 
-loop = resilient_loop(cfg, model=net, optimizer=optimizer, dataloader=batches)
-with loop:
-    for step in loop:
-        x, y = step.batch
-        loss = torch.nn.functional.mse_loss(net(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        if step.global_step == raise_at and rank == int(os.environ.get("RAISE_RANK", "0")):
-            raise RuntimeError(f"injected exception in step {raise_at} on rank {rank}")
-        optimizer.step()
-        loop.log(loss=loss.item())
-        if sleep_s:
-            time.sleep(sleep_s)
-print(f"rank {rank}: exit {int(loop.exit_code)}", flush=True)
-if world > 1:
-    dist.destroy_process_group()
+try:
+    loop = resilient_loop(cfg, model=net, optimizer=optimizer, dataloader=batches)
+    with loop:
+        for step in loop:
+            x, y = step.batch
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            if step.global_step == raise_at and rank == int(os.environ.get("RAISE_RANK", "0")):
+                raise RuntimeError(f"injected exception in step {raise_at} on rank {rank}")
+            optimizer.step()
+            loop.log(loss=loss.item())
+            if sleep_s:
+                time.sleep(sleep_s)
+    print(f"rank {rank}: exit {int(loop.exit_code)}", flush=True)
+finally:
+    # as torch asks: a gloo group left alive at exit (after an exception too) can abort the process
+    if world > 1:
+        dist.destroy_process_group()
 sys.exit(int(loop.exit_code))
