@@ -10,6 +10,7 @@ does a run that is preempted (SIGUSR1/SIGTERM) and resumed. Exits with ``resilie
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import random
@@ -111,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     elif loop.exit_code == ExitCode.PREEMPTED:
         print(f"rank {rank}: preempted, saved step {loop.stop_step}, exit {int(loop.exit_code)}", flush=True)
     if world_size > 1:
+        # Free DDP before the group: either alive at interpreter exit can abort (torch 2.13 + gloo).
+        del net, loop
+        gc.collect()
         dist.destroy_process_group()
     return int(loop.exit_code)
 

@@ -7,6 +7,7 @@ filesystem after the first save; RAISE_AT_STEP=N RAISE_RANK=R: rank R raises Run
 step, of step N. SLEEP_PER_STEP_S slows steps down.
 """
 
+import gc
 import os
 import sys
 import time
@@ -79,7 +80,10 @@ try:
                 time.sleep(sleep_s)
     print(f"rank {rank}: exit {int(loop.exit_code)}", flush=True)
 finally:
-    # as torch asks: a gloo group left alive at exit (after an exception too) can abort the process
+    # Free the DDP module, then destroy the group: either left alive at interpreter exit (after
+    # an exception too) can abort the process with SIGABRT (torch 2.13 + gloo).
     if world > 1:
+        del net
+        gc.collect()
         dist.destroy_process_group()
 sys.exit(int(loop.exit_code))
