@@ -111,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank 0: done at step {loop.scheduler.global_step}, test accuracy {accuracy:.3f}", flush=True)
     elif loop.exit_code == ExitCode.PREEMPTED:
         print(f"rank {rank}: preempted, saved step {loop.stop_step}, exit {int(loop.exit_code)}", flush=True)
+    code = int(loop.exit_code)
     if world_size > 1:
         # Free DDP before the group: either alive at interpreter exit can abort (torch 2.13 + gloo).
         del net, loop
         gc.collect()
         dist.destroy_process_group()
-    return int(loop.exit_code)
+    return code
 
 
 if __name__ == "__main__":
