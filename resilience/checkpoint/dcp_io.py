@@ -36,6 +36,11 @@ _ALLOWED = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        """Resolve ``module.name`` only for DCP's own metadata classes and torch dtypes.
+
+        Raises:
+            UnsafeCheckpointError: any other global (e.g. ``os.system``).
+        """
         if module in _ALLOWED_MODULES or (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -48,6 +53,11 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     entries, which DCP would unpickle with weights_only=False. We never write any."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """DCP's ``Metadata`` from ``<path>/.metadata``, unpickled with the restricted unpickler.
+
+        Raises:
+            UnsafeCheckpointError: a foreign global, not a ``Metadata``, or a pickled-bytes entry.
+        """
         path = Path(self.path) / ".metadata"
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
