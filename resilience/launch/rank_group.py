@@ -1,0 +1,288 @@
+"""One node's running ranks: stop requests held until a rank is ready, the failure grace, reaping."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+from resilience.handshake import ready_marker, request_stop, stop_taken_marker
+from resilience.launch.exit_status import combine_exit_codes, describe_code
+
+#: Seconds between two looks at the ranks while waiting (also the signal-forwarding latency
+#: bound when no wakeup fd is in use).
+POLL_INTERVAL_S = 0.05
+
+Log = Callable[[str], None]
+
+
+def _catches(pid: int, sig: int) -> bool | None:
+    """Whether process ``pid`` has a handler for ``sig`` now (bit ``sig - 1`` of ``SigCgt`` in
+    ``/proc/PID/status``, Linux); ``None`` when that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class RankGroup:
+    """The ranks of one node, started by :func:`launch`; a context manager that reaps them all.
+
+    Attributes:
+        procs: one ``subprocess.Popen`` per rank; index = local rank.
+        ranks: the global rank of each entry of ``procs``.
+        cmd: the command every rank runs.
+        failure_grace_s: seconds the other ranks may keep running after one rank exits
+            non-zero (they may be finishing a collective) before they get SIGTERM.
+        kill_grace_s: seconds between that SIGTERM (or :meth:`terminate`'s) and SIGKILL.
+
+    Leaving the ``with`` block terminates (SIGTERM, then SIGKILL after ``kill_grace_s``) and
+    reaps every rank still running, so none outlives the launcher.
+    """
+
+    def __init__(
+        self,
+        procs: Sequence[subprocess.Popen],
+        ranks: Sequence[int],
+        cmd: Sequence[str],
+        *,
+        failure_grace_s: float = 30.0,
+        kill_grace_s: float = 5.0,
+        log: Log | None = None,
+        ready_dir: str | None = None,
+        stop_file: str | None = None,
+        ready_timeout_s: float = 30.0,
+    ) -> None:
+        self.ready_dir = ready_dir
+        self.stop_file = stop_file
+        self.ready_timeout_s = ready_timeout_s
+        self._started_at = time.monotonic()
+        self._held: dict[int, list[int]] = {}  # local rank -> stop signals held until it is ready
+        self.procs = list(procs)
+        self.ranks = list(ranks)
+        self.cmd = list(cmd)
+        self.failure_grace_s = failure_grace_s
+        self.kill_grace_s = kill_grace_s
+        self._log = log or (lambda message: None)
+        self._failed_at: float | None = None
+        self._term_sent_at: float | None = None
+        self._kill_sent = False
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids, index = local rank."""
+        return [proc.pid for proc in self.procs]
+
+    @property
+    def returncodes(self) -> list[int | None]:
+        """Each rank's ``Popen.returncode`` after a non-blocking poll (``None``: running)."""
+        return [proc.poll() for proc in self.procs]
+
+    def live_ranks(self) -> list[int]:
+        """Local ranks still running."""
+        return [local for local, code in enumerate(self.returncodes) if code is None]
+
+    def send_signal(self, sig: int, ranks: Sequence[int] | None = None) -> list[int]:
+        """Send ``sig`` to the given local ranks (default: all) that are still running.
+
+        Returns the local ranks signalled. Ranks that already exited are skipped, never
+        signalled (their pid may be reused). Raises ``ValueError`` for a local rank outside
+        ``0 .. len(procs)-1``.
+        """
+        targets = range(len(self.procs)) if ranks is None else list(ranks)
+        for local in targets:
+            if not 0 <= local < len(self.procs):
+                raise ValueError(
+                    f"ranks: local rank {local} is out of range 0..{len(self.procs) - 1}"
+                )
+        sent = []
+        for local in targets:
+            proc = self.procs[local]
+            if proc.poll() is not None:
+                continue
+            try:
+                proc.send_signal(sig)
+            except ProcessLookupError:  # exited between poll and kill
+                continue
+            sent.append(local)
+        return sent
+
+    def is_ready(self, local: int, sig: int | None = None) -> bool:
+        """True when a stop signal may be sent to local rank ``local`` without killing it: it has
+        installed its handlers (its ready marker exists; see :mod:`resilience.handshake`), or it
+        has a handler for ``sig`` now (``SigCgt`` of ``/proc/PID/status``, as the Slurm templates
+        check; a program with handlers of its own). A rank that does neither is not ready,
+        however long it takes: a model that builds for minutes must not be killed by the signal
+        (the stop waits in the stop file). Only where ``/proc`` cannot be read does
+        ``ready_timeout_s`` after the start count as ready, so such a program still gets its signals."""
+        if self.ready_dir is None or ready_marker(self.ready_dir, self.ranks[local]).exists():
+            return True
+        catches = _catches(self.procs[local].pid, sig) if sig is not None else None
+        if catches is not None:
+            return catches
+        return time.monotonic() - self._started_at >= self.ready_timeout_s
+
+    def request_stop(self, sig: int) -> tuple[list[int], list[int]]:
+        """Record a stop in the stop file, then send ``sig`` to the ready ranks; hold it for the
+        others until they are ready (a rank without its handler would die of it) — they read the
+        stop file when they get ready. A held signal is dropped, not sent, for a rank that says
+        it took the stop from the file (:func:`resilience.handshake.stop_taken_marker`).
+        Returns (local ranks signalled, local ranks held)."""
+        if self.stop_file is not None:
+            try:
+                request_stop(self.stop_file)
+            except OSError as error:
+                self._log(f"cannot record the stop in {self.stop_file}: {error}")
+        live = self.live_ranks()
+        ready = [local for local in live if self.is_ready(local, sig)]
+        held = [local for local in live if local not in ready]
+        for local in held:
+            self._held.setdefault(local, []).append(sig)
+        return self.send_signal(sig, ready) if ready else [], held
+
+    def _release_held(self) -> None:
+        for local in list(self._held):
+            if self.procs[local].poll() is not None:
+                del self._held[local]
+            elif self.ready_dir is not None and stop_taken_marker(self.ready_dir, self.ranks[local]).exists():
+                # It read the stop file when it got ready and stops for it: the held signal could
+                # reach it after its loop ended, with the default disposition back, and kill it.
+                del self._held[local]
+            elif all(self.is_ready(local, sig) for sig in self._held[local]):
+                for sig in self._held.pop(local):
+                    self.send_signal(sig, [local])
+
+    def poll(self) -> int | None:
+        """Non-blocking: the group exit code once every rank has exited, else ``None``.
+
+        Also drives the failure policy: the first time a rank is seen with a non-zero code
+        while others run, a ``failure_grace_s`` timer starts; when it expires the live ranks
+        get SIGTERM, and ``kill_grace_s`` later SIGKILL, so a crash never leaves the group
+        hanging in a collective forever.
+        """
+        if self._held:
+            self._release_held()
+        codes = self.returncodes
+        if None not in codes:
+            return combine_exit_codes(codes)  # type: ignore[arg-type]
+        now = time.monotonic()
+        if self._failed_at is None:
+            failed = [(local, code) for local, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                self._failed_at = now
+                local, code = failed[0]
+                self._log(
+                    f"rank {self.ranks[local]} exited with {describe_code(code)}; waiting up to "
+                    f"{self.failure_grace_s:g} s for the other ranks"
+                )
+        elif self._term_sent_at is None:
+            if now - self._failed_at >= self.failure_grace_s:
+                sent = self.send_signal(signal.SIGTERM)
+                self._term_sent_at = now
+                self._log(
+                    f"failure grace of {self.failure_grace_s:g} s expired; sent SIGTERM to "
+                    f"ranks {self._global(sent)}"
+                )
+        elif not self._kill_sent and now - self._term_sent_at >= self.kill_grace_s:
+            sent = self.send_signal(signal.SIGKILL)
+            self._kill_sent = True
+            self._log(
+                f"ranks {self._global(sent)} still running {self.kill_grace_s:g} s after "
+                f"SIGTERM; sent SIGKILL"
+            )
+        return None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until every rank has exited; return :func:`combine_exit_codes` of their codes.
+
+        ``timeout`` is in seconds (``None``: no limit); when it passes first,
+        ``subprocess.TimeoutExpired`` is raised and the ranks keep running. The failure grace
+        of :meth:`poll` applies while waiting.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            code = self.poll()
+            if code is not None:
+                return code
+            pause = POLL_INTERVAL_S
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise subprocess.TimeoutExpired(self.cmd, timeout)  # type: ignore[arg-type]
+                pause = min(pause, remaining)
+            time.sleep(pause)
+
+    def terminate(self, grace_s: float | None = None) -> int:
+        """SIGTERM every live rank, SIGKILL those left after ``grace_s`` seconds, reap all.
+
+        ``grace_s`` defaults to ``kill_grace_s``. Returns the group exit code (ranks ended by
+        the SIGTERM count as killed by signal 15, see :func:`combine_exit_codes`).
+        """
+        grace_s = self.kill_grace_s if grace_s is None else grace_s
+        self.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        if self.send_signal(signal.SIGKILL):
+            for proc in self.procs:
+                proc.wait()
+        return combine_exit_codes([proc.wait() for proc in self.procs])
+
+    def close(self) -> None:
+        """Terminate (see :meth:`terminate`) and reap every rank still running; idempotent."""
+        live = self.live_ranks()
+        if live:
+            self._log(f"stopping ranks {self._global(live)} still running at launcher exit")
+            self.terminate()
+        for proc in self.procs:
+            proc.wait()
+        if self.ready_dir is not None:
+            shutil.rmtree(self.ready_dir, ignore_errors=True)
+
+    def write_pid_file(self, path: str | os.PathLike[str]) -> None:
+        """Write ``launcher <pid>`` then ``rank <global rank> <pid>`` lines to ``path``.
+
+        The file is replaced atomically (temp file + ``os.replace``), so a reader never sees
+        half of it. Tests and batch templates read it to prove no rank outlives its job.
+        """
+        lines = [f"launcher {os.getpid()}"]
+        lines += [f"rank {rank} {proc.pid}" for rank, proc in zip(self.ranks, self.procs)]
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".pids.", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write("\n".join(lines) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def _global(self, local_ranks: Sequence[int]) -> list[int]:
+        return [self.ranks[local] for local in local_ranks]
+
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
