@@ -1,0 +1,150 @@
+"""``resilience advise DIR``: a Slurm ``--signal=B:USR1@N`` lead time from the step and save times in the manifests.
+
+Only the standard library is imported at import time; the checkpoint modules are imported inside
+the functions, so registering the command costs ``resilience run`` nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, print_doc
+from resilience.exit_codes import ExitCode
+
+SLURM_SIGNAL_INTERVAL_S = 30
+"""Slurm checks ``--signal`` times about every 30 s, so a signal asked for ``@N`` arrives
+between N and N + 30 s before the end (sbatch(1), ``--signal``)."""
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
+
+
+def _recorded_timings(root: Path) -> list[dict[str, Any]]:
+    """``{"name", "saved_at", "step_s", "save_s"}`` of every readable manifest under ``root``
+    (or of ``root`` itself when it is a checkpoint), newest first."""
+    from resilience.checkpoint.layout import MANIFEST, list_checkpoints
+    from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
+
+    directories = [root] if (root / MANIFEST).exists() else list_checkpoints(root)
+    rows = []
+    for order, directory in enumerate(directories):
+        try:
+            meta = read_manifest(directory).get("meta") or {}
+        except CheckpointInvalid:
+            continue
+        timings = meta.get("timings") if isinstance(meta.get("timings"), dict) else {}
+        rows.append({"name": directory.name, "saved_at": _number(meta.get("saved_at")), "order": order,
+                     "step_s": _number(timings.get("step_s")), "save_s": _number(timings.get("save_s"))})
+    rows.sort(key=lambda r: (r["saved_at"] is None, -(r["saved_at"] or 0), r["order"]))
+    return rows
+
+
+def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int = 1, median: bool = False) -> dict[str, Any]:
+    """The recommended Slurm lead time from the timings recorded under ``root``.
+
+    Uses the newest checkpoint (by ``saved_at``) that recorded both ``step_s`` and ``save_s``
+    (else the newest with ``step_s``, counting a save as one step, as
+    :func:`resilience.timing.must_stop` does), or with ``median`` the medians over all
+    checkpoints. ``lead_s = ceil(seconds_needed + 30)``: Slurm checks signal times every 30 s.
+
+    Raises:
+        LookupError: no manifest under ``root`` recorded a step time.
+    """
+    from resilience.timing import seconds_needed
+
+    rows = _recorded_timings(root)
+    with_step = [r for r in rows if r["step_s"] is not None]
+    if not with_step:
+        raise LookupError(
+            f"no step times recorded in the manifests under {root} ({len(rows)} readable): timings are recorded by "
+            "resilient_loop from the second step on; run training a little longer, or choose --signal=...@N by hand"
+        )
+    notes = []
+    if median:
+        step_s = statistics.median(r["step_s"] for r in with_step)
+        saves = [r["save_s"] for r in rows if r["save_s"] is not None]
+        save_s = statistics.median(saves) if saves else None
+        source = f"median over {len(with_step)} checkpoint{'s' if len(with_step) != 1 else ''}"
+    else:
+        both = [r for r in with_step if r["save_s"] is not None]
+        row = both[0] if both else with_step[0]
+        step_s, save_s = row["step_s"], row["save_s"]
+        source = row["name"]
+    if save_s is None:
+        save_s = step_s
+        notes.append("no save time recorded yet: a save is counted as one step (as the loop's deadline rule does)")
+    needed = seconds_needed(step_s, save_s, agreement_every_steps=agreement_every_steps, safety=safety)
+    lead_s = math.ceil(needed + SLURM_SIGNAL_INTERVAL_S)
+    return {"version": JSON_VERSION, "root": str(root), "source": source, "step_s": step_s, "save_s": save_s,
+            "safety": safety, "agreement_every_steps": agreement_every_steps, "seconds_needed": needed,
+            "slurm_signal_interval_s": SLURM_SIGNAL_INTERVAL_S, "lead_s": lead_s,
+            "sbatch": f"#SBATCH --signal=B:USR1@{lead_s}", "notes": notes}
+
+
+def format_advice(doc: dict[str, Any]) -> str:
+    """The terminal form of an :func:`advise` document, with the arithmetic."""
+    k = doc["agreement_every_steps"]
+    steps = 2 * k - 1
+    return "\n".join([
+        f"Timings from {doc['source']}: step {doc['step_s']:.3f} s, save {doc['save_s']:.3f} s",
+        *[f"  note: {n}" for n in doc["notes"]],
+        "A stop needs (steps the agreement may still run + one save) x safety:",
+        f"  ((2 x {k} - 1) x {doc['step_s']:.3f} s + {doc['save_s']:.3f} s) x {doc['safety']:g}"
+        f" = ({steps} x {doc['step_s']:.3f} + {doc['save_s']:.3f}) x {doc['safety']:g} = {doc['seconds_needed']:.3f} s",
+        f"Slurm checks signal times every {doc['slurm_signal_interval_s']} s, so the signal comes between N and "
+        f"N + {doc['slurm_signal_interval_s']} s before the end:",
+        f"  N = ceil({doc['seconds_needed']:.3f} + {doc['slurm_signal_interval_s']}) = {doc['lead_s']}",
+        "",
+        doc["sbatch"],
+        f"(in the training YAML: slurm.signal_lead_s: {doc['lead_s']})",
+    ])
+
+
+def add_advise_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare ``CHECKPOINT_DIR``, ``--safety``, ``--agreement-every-steps``, ``--median``, ``--json``."""
+    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint root (or one checkpoint directory)")
+    parser.add_argument("--safety", default="1.5", help="factor on step + save time (default 1.5, as step_scheduler.deadline_safety)")
+    parser.add_argument("--agreement-every-steps", default="1", help="the stop agreement's cadence k in steps (step_scheduler.agreement_every_steps, default 1): a stop may run 2k - 1 more steps")
+    parser.add_argument("--median", action="store_true", help="the median over all checkpoints instead of the newest timings")
+    parser.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+    return parser
+
+
+def _parse_advise(args: argparse.Namespace) -> tuple[Path, float, int]:
+    try:
+        safety = float(args.safety)
+    except ValueError:
+        safety = float("nan")
+    if not math.isfinite(safety) or safety <= 0:
+        raise UsageError(f"--safety: expected a number > 0, e.g. 1.5, got {args.safety!r}")
+    try:
+        every = int(args.agreement_every_steps)
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise UsageError(f"--agreement-every-steps: expected an integer >= 1, got {args.agreement_every_steps!r}")
+    return existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR"), safety, every
+
+
+def run_advise(args: argparse.Namespace) -> int:
+    """Print the recommended lead time; 1 when no timings are recorded, 2 on bad arguments."""
+    try:
+        root, safety, every = _parse_advise(args)
+    except UsageError as exc:
+        print(f"resilience advise: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
+    try:
+        doc = advise(root, safety=safety, agreement_every_steps=every, median=args.median)
+    except LookupError as exc:
+        print(f"resilience advise: {exc}", file=sys.stderr)
+        return int(ExitCode.FAILED)
+    print_doc(doc, args.json, format_advice)
+    return int(ExitCode.DONE)

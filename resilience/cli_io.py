@@ -1,0 +1,61 @@
+"""What ``resilience status``, ``verify`` and ``advise`` share: argument errors, printing, the JSON version.
+
+The text output is for people; ``--json`` prints a document with ``"version": 1`` whose keys
+only ever get added to. Only the standard library is imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+JSON_VERSION = 1
+
+
+class UsageError(ValueError):
+    """Bad command-line input (exit code 2); the message names the argument."""
+
+
+def within(message: str, directory: Path) -> str:
+    """``message`` about a file of ``directory``, with the directory's own path taken out."""
+    if message.startswith(f"{directory}: "):
+        message = message[len(str(directory)) + 2:]
+    return message.replace(str(directory) + os.sep, "")
+
+
+def first_line(path: Path) -> str:
+    """The first line of a small text file (a ``.bad`` marker's reason), or why it cannot be read."""
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    return text.splitlines()[0] if text else "(empty)"
+
+
+def _emit(text: str) -> None:
+    """Print ``text``; a reader that went away (``| head``) is not an error."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's documented recipe: point stdout at devnull so the flush at exit stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def print_doc(doc: dict[str, Any], as_json: bool, format_doc: Callable[[dict[str, Any]], str]) -> None:
+    """Print ``doc`` as the ``--json`` output (indented, keys sorted), or its terminal form
+    ``format_doc(doc)``."""
+    _emit(json.dumps(doc, indent=2, sort_keys=True) if as_json else format_doc(doc))
+
+
+def existing_dir(text: str, what: str) -> Path:
+    """``text`` as the path of an existing directory; :class:`UsageError` naming ``what`` otherwise."""
+    path = Path(text)
+    if not path.exists():
+        raise UsageError(f"{what} {text!r}: no such directory")
+    if not path.is_dir():
+        raise UsageError(f"{what} {text!r}: not a directory")
+    return path

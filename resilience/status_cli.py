@@ -1,0 +1,321 @@
+"""``resilience status DIR``: a read-only table of the checkpoints under a checkpoint root.
+
+It tabulates every checkpoint (published, incomplete, corrupt, marked bad), the pointers
+(``LATEST``, ``LOWEST_VAL``, any other top-level symlink or ``NAME.txt`` pointer), and which
+checkpoint a resume would pick and why. It never writes: it calls
+:func:`~resilience.checkpoint.manifest.validate` itself instead of the reader's ``_choose``, which
+marks invalid checkpoints ``.bad``.
+
+Only the standard library is imported at import time, so registering the command in
+:mod:`resilience.cli` costs ``resilience run`` nothing; the checkpoint modules are imported
+inside the functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, within
+from resilience.exit_codes import ExitCode
+
+_POINTER_ORDER = ("LATEST", "LOWEST_VAL")
+
+
+def human_size(size: int | None) -> str:
+    """``size`` bytes as ``"812 B"``, ``"12.3 KiB"``, ``"4.0 GiB"`` (powers of 1024); ``"-"`` for None."""
+    if size is None:
+        return "-"
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def iso_utc(timestamp: Any) -> str | None:
+    """Unix time (seconds) as ``2024-05-01T12:00:00Z``; ``None`` when not a finite number."""
+    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not math.isfinite(timestamp):
+        return None
+    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _tree_size(path: Path) -> int:
+    """Bytes of every regular file under ``path`` (symlinks not followed)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass  # removed while we walk (retention on a live run)
+    return total
+
+
+def _relative(message: str, root: Path) -> str:
+    """``message`` with ``root/`` stripped from the paths in it (shorter, and stable across roots)."""
+    return message.replace(str(root) + os.sep, "")
+
+
+def _format_metric(metric: Any) -> str:
+    if not isinstance(metric, dict) or "key" not in metric:
+        return "-"
+    value = metric.get("value")
+    shown = f"{value:.6g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else ("-" if value is None else str(value))
+    return f"{metric['key']}={shown}"
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    """Plain text columns two spaces apart; columns in ``right`` right-aligned."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _check(path: Path, deep: bool) -> tuple[str, str | None, dict[str, Any]]:
+    """``(state, problem, meta)`` of a published-looking directory; state is ``complete``,
+    ``incomplete`` (no manifest) or ``corrupt``; ``.bad`` is not looked at here."""
+    from resilience.checkpoint.layout import MANIFEST
+    from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest, validate
+
+    if not path.is_dir():
+        return "missing", "no such directory", {}
+    if not (path / MANIFEST).exists():
+        return "incomplete", f"no {MANIFEST} (an interrupted or partial save)", {}
+    meta: dict[str, Any] = {}
+    try:
+        meta = read_manifest(path).get("meta") or {}
+        validate(path, checksums=deep)
+    except CheckpointInvalid as exc:
+        return "corrupt", within(str(exc), path), meta if isinstance(meta, dict) else {}
+    return "complete", None, meta if isinstance(meta, dict) else {}
+
+
+def _pointer_names(root: Path) -> list[str]:
+    """``LATEST``, ``LOWEST_VAL`` and every other top-level pointer: a symlink to a bare name, or a
+    ``NAME.txt`` holding a checkpoint name (or the name of a directory under ``root``)."""
+    from resilience.checkpoint.layout import parse_checkpoint_name
+
+    names = set()
+    for child in root.iterdir():
+        name = child.name
+        if name.startswith(".") or parse_checkpoint_name(name):
+            continue  # .NAME.tmp.PID: a pointer swap in progress
+        if child.is_symlink():
+            if name in _POINTER_ORDER or "/" not in os.readlink(child).strip("/"):
+                names.add(name)
+        elif name.endswith(".txt") and child.is_file() and len(name) > 4:
+            try:
+                with open(child, "rb") as fh:
+                    text = fh.read(4097).decode().strip()
+            except (OSError, UnicodeDecodeError):
+                continue
+            if text and len(text) <= 4096 and not any(c.isspace() for c in text) and (
+                name[:-4] in _POINTER_ORDER or parse_checkpoint_name(text) or (root / text).is_dir()
+            ):
+                names.add(name[:-4])
+    order = {name: i for i, name in enumerate(_POINTER_ORDER)}
+    return sorted(names, key=lambda n: (order.get(n, len(order)), n))
+
+
+def _read_pointers(root: Path) -> dict[str, dict[str, Any]]:
+    from resilience.checkpoint.pointers import PointerError, read_pointer
+
+    pointers = {}
+    for name in _pointer_names(root):
+        entry: dict[str, Any] = {"form": "symlink" if (root / name).is_symlink() else f"{name}.txt", "target": None, "error": None}
+        try:
+            target = read_pointer(root, name)
+        except PointerError as exc:
+            entry["error"] = _relative(str(exc), root)
+        else:
+            if target is not None:
+                entry["target"] = target.name
+                if not target.is_dir():
+                    entry["error"] = f"target {target.name} does not exist"
+        pointers[name] = entry
+    return pointers
+
+
+def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
+    """One entry per checkpoint-like directory under ``root``, newest step first."""
+    from resilience.checkpoint.layout import BAD_MARKER, STAGING_PREFIX, TRASH_PREFIX, list_checkpoints, parse_checkpoint_name
+
+    found: list[tuple[str, Path]] = [("checkpoint", path) for path in list_checkpoints(root)]
+    for child in root.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            if child.name.startswith(STAGING_PREFIX):
+                found.append(("staging", child))
+            elif child.name.startswith(TRASH_PREFIX):
+                found.append(("trash", child))
+    entries = []
+    for kind, path in found:
+        prefix = {"checkpoint": "", "staging": STAGING_PREFIX, "trash": TRASH_PREFIX}[kind]
+        parsed = parse_checkpoint_name(path.name[len(prefix):])
+        entry: dict[str, Any] = {
+            "name": path.name,
+            "kind": kind,
+            "epoch": parsed[0] if parsed else None,
+            "global_step": parsed[1] if parsed else None,
+            "size_bytes": _tree_size(path),
+            "saved_at": None,
+            "saved_at_unix": None,
+            "reason": None,
+            "world_size": None,
+            "run_id": None,
+            "val_metric": None,
+            "marked_bad": None,
+            "pointers": [],
+        }
+        if kind == "staging":
+            state, problem, meta = "incomplete", "a save in progress or interrupted (removed at the next start)", {}
+        elif kind == "trash":
+            state, problem, meta = "incomplete", "set aside while being replaced or deleted (restored or removed at the next start)", {}
+        else:
+            state, problem, meta = _check(path, deep)
+            if (path / BAD_MARKER).exists():
+                entry["marked_bad"] = _relative(first_line(path / BAD_MARKER), root)
+        entry["state"] = "marked bad" if entry["marked_bad"] is not None else state
+        entry["checked_state"] = state
+        entry["problem"] = _relative(problem, root) if problem else None
+        entry["saved_at_unix"] = meta.get("saved_at") if iso_utc(meta.get("saved_at")) else None
+        entry["saved_at"] = iso_utc(meta.get("saved_at"))
+        for key in ("reason", "world_size", "run_id", "val_metric"):
+            entry[key] = meta.get(key)
+        entries.append(entry)
+    kinds = {"checkpoint": 0, "trash": 1, "staging": 2}
+    entries.sort(key=lambda e: (e["global_step"] is None, -(e["global_step"] or 0), -(e["epoch"] or 0), kinds[e["kind"]], e["name"]))
+    return entries
+
+
+def _resume_choice(root: Path, entries: list[dict[str, Any]], pointers: dict[str, dict[str, Any]], deep: bool) -> dict[str, Any]:
+    """What :func:`resilience.checkpoint.reader._choose` would pick (without ``restore_from``),
+    computed without writing ``.bad`` markers."""
+    from resilience.checkpoint.layout import BAD_MARKER, LATEST, list_checkpoints, parse_checkpoint_name
+
+    by_name = {e["name"]: e for e in entries if e["kind"] == "checkpoint"}
+    skipped: list[dict[str, str]] = []
+    notes: list[str] = []
+    latest_entry = pointers.get(LATEST)
+    latest: Path | None = None
+    if latest_entry is None:
+        notes.append("no LATEST pointer")
+    elif latest_entry["target"] is None:
+        notes.append(f"LATEST ignored ({latest_entry['error']})")
+    else:
+        latest = root / latest_entry["target"]
+    candidates: list[Path] = [latest] if latest is not None else []
+    parsed = parse_checkpoint_name(latest.name) if latest is not None else None
+    newest_step = parsed[1] if parsed else None
+    for path in list_checkpoints(root):
+        if path not in candidates and (newest_step is None or parse_checkpoint_name(path.name)[1] <= newest_step):
+            candidates.append(path)
+
+    chosen = None
+    for path in candidates:
+        if (path / BAD_MARKER).exists():
+            skipped.append({"name": path.name, "why": "marked bad"})
+            continue
+        entry = by_name.get(path.name)
+        state, problem = (entry["checked_state"], entry["problem"]) if entry else _check(path, deep)[:2]
+        if state != "complete":
+            skipped.append({"name": path.name, "why": f"{state}" + (f": {_relative(problem, root)}" if problem else "")})
+            continue
+        chosen = path.name
+        break
+
+    sizes_only = "" if deep else "; sizes checked, checksums not (--deep checks them, as a resume does)"
+    latest_name = latest.name if latest is not None else None
+    skips = ", ".join(f"{s['name']} ({'LATEST, ' if s['name'] == latest_name else ''}{s['why'].split(':')[0]})" for s in skipped)
+    skips = f"skipped {skips}; " if skips else ""
+    noted = "".join(f"{note}; " for note in notes)
+    if chosen is None:
+        reason = f"fresh start: {noted}{skips}no valid checkpoint left" if candidates else f"fresh start: {noted}no checkpoints under {root}"
+    elif chosen == latest_name:
+        reason = f"LATEST -> {chosen}, which is complete"
+    elif latest_name is not None:
+        reason = f"{skips}{chosen} is the newest older valid checkpoint"
+    else:
+        reason = f"{noted}{skips}{chosen} is the newest valid checkpoint"
+    if chosen is not None:
+        reason += sizes_only
+    return {"checkpoint": chosen, "fresh_start": chosen is None, "reason": reason, "skipped": skipped, "checksums_checked": deep}
+
+
+def inspect_root(root: Path, *, deep: bool = False) -> dict[str, Any]:
+    """The ``status`` document of checkpoint root ``root`` (an existing directory). Read-only.
+
+    ``deep`` also compares sha256 checksums (reads every byte); otherwise a checkpoint counts as
+    complete when its manifest is readable and every listed file has the listed size.
+    """
+    pointers = _read_pointers(root)
+    entries = _entries(root, deep)
+    for name, pointer in pointers.items():
+        for entry in entries:
+            if entry["kind"] == "checkpoint" and entry["name"] == pointer["target"]:
+                entry["pointers"].append(name)
+    resume = _resume_choice(root, entries, pointers, deep)
+    for entry in entries:
+        entry.pop("checked_state")
+    return {"version": JSON_VERSION, "root": str(root), "deep": deep, "checkpoints": entries, "pointers": pointers, "resume": resume}
+
+
+def format_status(doc: dict[str, Any]) -> str:
+    """The terminal form of an :func:`inspect_root` document."""
+    checks = "sizes and sha256 checked" if doc["deep"] else "sizes checked; --deep also checks sha256"
+    lines = [f"Checkpoints in {doc['root']} ({checks})", ""]
+    if doc["checkpoints"]:
+        rows = [
+            [e["name"], "-" if e["global_step"] is None else str(e["global_step"]), "-" if e["epoch"] is None else str(e["epoch"]),
+             e["saved_at"] or "-", human_size(e["size_bytes"]), e["state"], ",".join(e["pointers"]) or "-", _format_metric(e["val_metric"])]
+            for e in doc["checkpoints"]
+        ]
+        lines += _table(["NAME", "STEP", "EPOCH", "SAVED (UTC)", "SIZE", "STATE", "POINTERS", "VAL METRIC"], rows, right={1, 2, 4})
+        problems = []
+        for e in doc["checkpoints"]:
+            if e["marked_bad"] is not None:
+                problems.append(f"  {e['name']}: marked bad: {e['marked_bad']}")
+            if e["problem"]:
+                problems.append(f"  {e['name']}: {e['problem']}")
+        if problems:
+            lines += ["", "Problems:", *problems]
+    else:
+        lines.append("(no checkpoints)")
+    if doc["pointers"]:
+        width = max(len(n) for n in doc["pointers"])
+        lines += ["", "Pointers:"]
+        for name, p in doc["pointers"].items():
+            target = p["target"] or "?"
+            lines.append(f"  {name.ljust(width)} -> {target} ({p['form']})" + (f": {p['error']}" if p["error"] else ""))
+    resume = doc["resume"]
+    lines += ["", f"Resume would pick: {resume['checkpoint'] or 'fresh start'}", f"  why: {resume['reason']}"]
+    return "\n".join(lines)
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare ``CHECKPOINT_DIR``, ``--deep``, ``--json``."""
+    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint root (checkpoint.checkpoint_dir)")
+    parser.add_argument("--deep", action="store_true", help="also compare every file's sha256 (reads every byte)")
+    parser.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
+    return parser
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Print the status of ``args.checkpoint_dir``; 0, or 2 when it is not a directory."""
+    try:
+        root = existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR")
+    except UsageError as exc:
+        print(f"resilience status: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
+    doc = inspect_root(root, deep=args.deep)
+    print_doc(doc, args.json, format_status)
+    return int(ExitCode.DONE)
