@@ -1,0 +1,137 @@
+"""The ``checkpoint`` section: where and how checkpoints are written, kept and loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+from resilience.config.checks import ConfigError, check_bool, check_int
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def _check_retention_and_mindspore_keys(cfg: "CheckpointConfig") -> None:
+    """Validate the retention, LOWEST_VAL and MindSpore Transformers keys of ``checkpoint``."""
+    for key in ("is_async", "enable_save", "no_save_optim", "no_load_optim", "load_balanced"):
+        check_bool(f"checkpoint.{key}", getattr(cfg, key))
+    if isinstance(cfg.async_timeout_s, bool) or not isinstance(cfg.async_timeout_s, (int, float)) or cfg.async_timeout_s <= 0:
+        raise ConfigError(f"checkpoint.async_timeout_s: expected a number of seconds > 0, got {cfg.async_timeout_s!r}")
+    check_int("checkpoint.max_recent_checkpoints", cfg.max_recent_checkpoints, minimum=1, allow_none=True)
+    check_int("checkpoint.max_restarts_without_progress", cfg.max_restarts_without_progress, minimum=1, allow_none=True)
+    check_int("checkpoint.save_max", cfg.save_max, minimum=1, allow_none=True)
+    if not isinstance(cfg.best_metric_key, str) or not cfg.best_metric_key:
+        raise ConfigError(f"checkpoint.best_metric_key: expected a metric name, got {cfg.best_metric_key!r}")
+    if cfg.prefix is not None and not isinstance(cfg.prefix, str):
+        raise ConfigError(f"checkpoint.prefix: expected a string or null, got {cfg.prefix!r}")
+    if cfg.load_path is not None and not isinstance(cfg.load_path, (str, os.PathLike)):
+        raise ConfigError(f"checkpoint.load_path: expected a path, \"\" or null, got {cfg.load_path!r}")
+    cfg.load_path = str(cfg.load_path) if cfg.load_path is not None and str(cfg.load_path).strip() else None
+    if cfg.max_recent_checkpoints is not None and cfg.save_max is not None:
+        raise ConfigError(
+            "checkpoint.max_recent_checkpoints and checkpoint.save_max both set: they configure the same retention "
+            "(save_max counts and removes only this run's checkpoints); set one of them"
+        )
+    if cfg.load_path is not None and cfg.restore_from is not None:
+        raise ConfigError("checkpoint.load_path and checkpoint.restore_from both set: both name what to load; set one of them")
+    retention = "max_recent_checkpoints" if cfg.max_recent_checkpoints is not None else "save_max" if cfg.save_max is not None else None
+    if retention and _URL.match(str(cfg.checkpoint_dir)):
+        raise ConfigError(
+            f"checkpoint.{retention} is only supported for local checkpoint directories, and checkpoint.checkpoint_dir "
+            f"is the URL {cfg.checkpoint_dir!r}; unset checkpoint.{retention} or use a local (or mounted) path"
+        )
+
+
+def _save_consolidated(value: Any, model_save_format: str) -> Any:
+    """``checkpoint.save_consolidated`` normalised to ``"final"``, ``"every"`` or ``False``."""
+    text = str(value).strip().lower() if isinstance(value, (str, bool)) else value
+    if value is None:  # not set: NeMo AutoModel's default, where there is something to consolidate
+        return "final" if model_save_format == "safetensors" else False
+    if text not in ("final", "every", "true", "false"):
+        raise ConfigError(f"checkpoint.save_consolidated: expected final, every, false (or legacy true = every), got {value!r}")
+    if text == "false":
+        return False
+    if model_save_format != "safetensors":
+        raise ConfigError(
+            f"checkpoint.save_consolidated: {value!r} needs checkpoint.model_save_format: safetensors, "
+            f"got {model_save_format!r}; set checkpoint.save_consolidated: false or use safetensors"
+        )
+    return "every" if text == "true" else text
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where and how checkpoints are written. YAML section ``checkpoint`` (NeMo AutoModel names)."""
+
+    enabled: bool = True
+    """Write and resume checkpoints (default true). When false, preemption still stops cleanly."""
+    checkpoint_dir: str = "checkpoints/"
+    """Root directory holding ``epoch_<E>_step_<S>/`` checkpoints and the ``LATEST`` pointer."""
+    restore_from: str | None = None
+    """A checkpoint directory (absolute, or a name under ``checkpoint_dir``) to resume from instead of
+    ``LATEST``. It must exist and be valid: a missing one is an error, never a fresh start."""
+    resume: bool = True
+    """Resume automatically from ``LATEST`` when it exists (default true)."""
+    max_recent_checkpoints: int | None = None
+    """Keep the newest N checkpoints plus every pointer target (``LATEST``, ``LOWEST_VAL``, any other
+    top-level symlink or ``.txt`` pointer); null keeps everything (default). Local directories only."""
+    best_metric_key: str = "default"
+    """The validation metric that decides ``LOWEST_VAL`` (lower is better) when ``log_validation``
+    gets several; with one metric that one is used (NeMo AutoModel semantics)."""
+    is_async: bool = False
+    """Asynchronous saving (MindSpore ``async_save``): a save copies the state into reused host
+    buffers and returns; a background thread writes, fsyncs and publishes it. Default false."""
+    max_restarts_without_progress: int | None = 3
+    """Requeue-loop guard: after this many consecutive starts from the same ``LATEST`` (restarts
+    that produced no new checkpoint), exit with ``ExitCode.NO_PROGRESS`` (76), which the Slurm
+    templates never requeue (default 3; null disables)."""
+    async_timeout_s: float = 600.0
+    """Seconds any wait for an asynchronous save in flight may take before it raises (default 600)."""
+    enable_save: bool = True
+    """MindSpore Transformers: write checkpoints (default true). False still resumes/loads."""
+    save_max: int | None = None
+    """MindSpore Transformers: keep the newest N checkpoints *of this run* (MindSpore's default is 5,
+    ours null = keep all). Checkpoints of other runs are never removed."""
+    no_save_optim: bool = False
+    """MindSpore Transformers: save model weights without the optimizer state."""
+    no_load_optim: bool = False
+    """MindSpore Transformers: load only the weights of the ``load_path``/``restore_from`` checkpoint;
+    the optimizer, step counters, data position and RNG start fresh."""
+    load_path: str | None = None
+    """MindSpore Transformers: a checkpoint directory, or a root whose ``LATEST`` is followed, to load
+    when ``checkpoint_dir`` holds no checkpoint of its own yet ("" or null: none)."""
+    load_balanced: bool = False
+    """MindSpore Transformers: accepted; a no-op (there are no redundant shards to balance here)."""
+    prefix: str | None = "checkpoint"
+    """MindSpore Transformers' file-name prefix: accepted, changes no name (the layout is NeMo's)."""
+    model_save_format: str = "safetensors"
+    """Model weights format: ``safetensors`` (per-rank shards ``model/shard-0000K-model-0000I-of-0000N.safetensors``
+    plus ``model/consolidate.sh``; default) or ``torch_save`` (DCP ``model/*.distcp``)."""
+    save_consolidated: Any = None
+    """Hugging Face bundle in ``model/consolidated/``: ``final`` (the final checkpoint of a run only),
+    ``every`` (legacy ``true``: every checkpoint) or ``false``. Default ``final`` with safetensors;
+    needs ``model_save_format: safetensors``."""
+
+    world_size_change: str = "strict"
+    """Resuming under another world size: ``strict`` (default) refuses with an error naming the
+    change; ``elastic`` resumes: weights and (DCP-resharded) optimizer as saved, the data position
+    re-derived from the global batches consumed in the epoch (the epoch's sampler order is
+    replayed for the new ranks), and rank r takes the RNG state of saved rank r mod old world size."""
+
+    def __post_init__(self) -> None:
+        check_bool("checkpoint.enabled", self.enabled)
+        check_bool("checkpoint.resume", self.resume)
+        if self.world_size_change not in ("strict", "elastic"):
+            raise ConfigError(f"checkpoint.world_size_change: {self.world_size_change!r}; accepted: strict, elastic")
+        _check_retention_and_mindspore_keys(self)
+        if not isinstance(self.checkpoint_dir, (str, os.PathLike)) or not str(self.checkpoint_dir).strip():
+            raise ConfigError(f"checkpoint.checkpoint_dir: expected a non-empty path, got {self.checkpoint_dir!r}")
+        self.checkpoint_dir = str(self.checkpoint_dir)
+        if self.restore_from is not None and not isinstance(self.restore_from, (str, os.PathLike)):
+            raise ConfigError(f"checkpoint.restore_from: expected a path or null, got {self.restore_from!r}")
+        if self.model_save_format not in ("safetensors", "torch_save"):
+            raise ConfigError(
+                f"checkpoint.model_save_format: expected 'safetensors' or 'torch_save', got {self.model_save_format!r}"
+            )
+        self.save_consolidated = _save_consolidated(self.save_consolidated, self.model_save_format)

@@ -1,0 +1,104 @@
+"""Plain data or a YAML file, with dotted overrides, into a validated :class:`ResilienceConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from resilience.config.checks import ConfigError
+from resilience.config.resilience_config import SECTIONS, ResilienceConfig
+
+
+def _suggest(key: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else f"; accepted keys: {', '.join(sorted(known))}"
+
+
+def _build_section(name: str, cls: type, raw: Any) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{name}: expected a mapping of keys, got {type(raw).__name__}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{name}.{key}: unknown key{_suggest(str(key), known)}")
+    return cls(**raw)
+
+
+def config_from_dict(data: Mapping[str, Any] | None) -> ResilienceConfig:
+    """Validate plain data (parsed YAML) into a :class:`ResilienceConfig`.
+
+    Raises:
+        ConfigError: an unknown key inside one of our sections (with the closest known key), a
+            top-level name close to one of ours, or a value of the wrong type or range;
+            MindSpore Transformers and NeMo spellings of one setting that disagree.
+    """
+    from resilience.mindspore_compat import normalize_aliases  # imports ConfigError from here
+
+    data = normalize_aliases(dict(data or {}))
+    sections = {}
+    extra = {}
+    for key, value in data.items():
+        if key in SECTIONS:
+            sections[key] = _build_section(key, SECTIONS[key], value)
+        elif difflib.get_close_matches(str(key), list(SECTIONS), n=1, cutoff=0.75):
+            raise ConfigError(f"{key}: unknown section{_suggest(str(key), list(SECTIONS))}")
+        else:
+            extra[key] = value
+    return ResilienceConfig(**sections, extra=extra)
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply dotted ``section.key=value`` overrides (values parsed as YAML) to ``data`` in place.
+
+    Raises:
+        ConfigError: an override without ``=`` or with an empty key.
+    """
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. checkpoint.checkpoint_dir=/tmp/ck")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> ResilienceConfig:
+    """Read a YAML file (or nothing), apply dotted overrides, and validate.
+
+    Raises:
+        ConfigError: unreadable file, a file that is not UTF-8, invalid YAML, a top level that is not a mapping, or any
+            invalid key/value (see :func:`config_from_dict`).
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: cannot read it ({exc.strerror or exc})") from exc
+        except UnicodeDecodeError as exc:  # a ValueError, not an OSError: binary or another encoding
+            raise ConfigError(f"config file {path}: not UTF-8 text ({exc.reason} at byte {exc.start}); accepted: a UTF-8 YAML file") from exc
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path}: invalid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping of sections")
+        data = loaded or {}
+    apply_overrides(data, overrides)
+    return config_from_dict(data)

@@ -1,0 +1,76 @@
+"""The ``slurm`` section: how ``resilience template slurm`` renders the batch script."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from resilience.config.checks import ConfigError, check_int
+
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+LAUNCHERS = ("resilience", "srun", "torchrun")
+REQUEUE_MODES = ("requeue", "resubmit")
+
+
+@dataclasses.dataclass(kw_only=True)
+class SlurmConfig:
+    """How ``resilience template slurm CONFIG.yaml`` renders the batch script. YAML section ``slurm``.
+
+    The ``--signal`` line is built from ``step_scheduler.preemption_signal`` (its first signal)
+    and ``signal_lead_s``, so the signal Slurm sends and the one training listens for come from
+    one setting.
+    """
+
+    script: str = "train.py"
+    """The training script every rank runs (path as seen from the job's working directory)."""
+    script_args: list = dataclasses.field(default_factory=list)
+    """Arguments after the script, e.g. ``["--config", "train.yaml"]``."""
+    python: str = "python3"
+    """The Python interpreter on the compute nodes (e.g. a venv's ``bin/python``)."""
+    job_name: str = "resilience"
+    partition: str | None = None
+    nodes: int = 1
+    nproc_per_node: int = 1
+    """Ranks per node."""
+    cpus_per_task: int | None = None
+    time: str = "01:00:00"
+    """Wall time in Slurm's ``--time`` format (``MM``, ``HH:MM:SS``, ``D-HH:MM:SS``)."""
+    signal_lead_s: int = 300
+    """Seconds before the wall time at which Slurm sends the signal (``--signal=B:SIG@N``).
+    Slurm checks every 30 s, so the signal arrives between N and N+30 s before the end."""
+    max_restarts: int = 10
+    """Requeues allowed before the script gives up with ``ExitCode.RESTART_LIMIT`` (77)."""
+    launcher: str = "resilience"
+    """``resilience`` (our launcher, one per node), ``srun`` (one task per rank) or ``torchrun``."""
+    requeue: str = "requeue"
+    """``requeue`` (``scontrol requeue``, same job id) or ``resubmit`` (``sbatch`` a new job)."""
+    output: str = "slurm-%j.out"
+    """Log file; opened with ``--open-mode=append`` so a requeued attempt does not truncate it."""
+    sbatch_extra: list = dataclasses.field(default_factory=list)
+    """Further ``#SBATCH`` options, e.g. ``["--account=abc", "--mem=16G"]``."""
+    setup: list = dataclasses.field(default_factory=list)
+    """Shell lines run before the launch (``module load ...``, ``source venv/bin/activate``)."""
+
+    def __post_init__(self) -> None:
+        for key in ("script", "python", "job_name", "time", "output", "launcher", "requeue"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"slurm.{key}: expected a non-empty string, got {value!r}")
+        if self.partition is not None and (not isinstance(self.partition, str) or not self.partition):
+            raise ConfigError(f"slurm.partition: expected a partition name or null, got {self.partition!r}")
+        check_int("slurm.nodes", self.nodes, minimum=1)
+        check_int("slurm.nproc_per_node", self.nproc_per_node, minimum=1)
+        check_int("slurm.cpus_per_task", self.cpus_per_task, minimum=1, allow_none=True)
+        check_int("slurm.signal_lead_s", self.signal_lead_s, minimum=1)
+        check_int("slurm.max_restarts", self.max_restarts, minimum=0)
+        if not _SLURM_TIME.match(self.time):
+            raise ConfigError(f"slurm.time: {self.time!r} is not a Slurm time; accepted: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS")
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError(f"slurm.launcher: {self.launcher!r}; accepted: {', '.join(LAUNCHERS)}")
+        if self.requeue not in REQUEUE_MODES:
+            raise ConfigError(f"slurm.requeue: {self.requeue!r}; accepted: {', '.join(REQUEUE_MODES)}")
+        for key in ("script_args", "sbatch_extra", "setup"):
+            value = getattr(self, key)
+            if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+                raise ConfigError(f"slurm.{key}: expected a list of strings, got {value!r}")
+            setattr(self, key, [str(v) for v in value])

@@ -1,0 +1,59 @@
+"""The ``step_scheduler`` section: when to step, stop and save."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from resilience.config.checks import ConfigError, check_bool, check_int
+from resilience.signals import DEFAULT_PREEMPTION_SIGNAL, parse_preemption_signal
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepSchedulerConfig:
+    """When to step, stop and save. YAML section ``step_scheduler`` (NeMo AutoModel names)."""
+
+    num_epochs: int = 1
+    """Epochs to train (default 1). Training ends at ``num_epochs`` or ``max_steps``, whichever first."""
+    max_steps: int | None = None
+    """Optimizer steps to train in total, or null for no step limit (default null)."""
+    ckpt_every_steps: int | None = None
+    """Save every N global steps (default null: save only at the end and on preemption)."""
+    preemption_signal: Any = DEFAULT_PREEMPTION_SIGNAL
+    """Signal(s) that request a stop-and-save: a name, a number, a list, or null (default SIGTERM)."""
+    agreement_every_steps: int = 1
+    """Cadence, in steps, of the non-blocking cross-rank stop agreement (default 1). A signal stops
+    every rank within 2 x this many steps; larger values make the per-step cost smaller."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all ranks (MindSpore ``training.global_batch_size``). Recorded in
+    each checkpoint; resuming with a different value rescales ``global_step`` by old/new (default null)."""
+    val_every_steps: int | None = None
+    """Validate every N global steps: sets ``Step.is_val_step`` for the training loop (default null)."""
+    wall_time_s: float | None = None
+    """This run's wall time in seconds from its start, for deadline stopping outside Slurm (default
+    null: inside a Slurm job the end time comes from ``scontrol show job``)."""
+    deadline_stop: bool = True
+    """Stop and save by ourselves when the time left before the job's end no longer covers the
+    steps a stop may still take plus one save, times ``deadline_safety`` (default true)."""
+    deadline_safety: float = 1.5
+    """Safety factor on (steps until an agreed stop + one save) for deadline stopping and the
+    lead-time warning (default 1.5)."""
+
+    def __post_init__(self) -> None:
+        if self.wall_time_s is not None and (isinstance(self.wall_time_s, bool) or not isinstance(self.wall_time_s, (int, float)) or self.wall_time_s <= 0):
+            raise ConfigError(f"step_scheduler.wall_time_s: expected seconds > 0 or null, got {self.wall_time_s!r}")
+        check_bool("step_scheduler.deadline_stop", self.deadline_stop)
+        if isinstance(self.deadline_safety, bool) or not isinstance(self.deadline_safety, (int, float)) or self.deadline_safety < 1:
+            raise ConfigError(f"step_scheduler.deadline_safety: expected a number >= 1, got {self.deadline_safety!r}")
+        check_int("step_scheduler.global_batch_size", self.global_batch_size, minimum=1, allow_none=True)
+        check_int("step_scheduler.val_every_steps", self.val_every_steps, minimum=1, allow_none=True)
+        check_int("step_scheduler.num_epochs", self.num_epochs, minimum=1)
+        check_int("step_scheduler.max_steps", self.max_steps, minimum=1, allow_none=True)
+        check_int("step_scheduler.ckpt_every_steps", self.ckpt_every_steps, minimum=1, allow_none=True)
+        check_int("step_scheduler.agreement_every_steps", self.agreement_every_steps, minimum=1)
+        # Parsed now so a bad spec fails at config time, before any training; re-raised as
+        # ConfigError so callers need to catch one type for every bad value.
+        try:
+            self.signals = parse_preemption_signal(self.preemption_signal, key="step_scheduler.preemption_signal")
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from exc
