@@ -8,10 +8,8 @@ can arrive.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from resilience.exit_codes import ExitCode
+from resilience.lazy import lazy_getattr
 
 _LAZY = {
     "resilient_loop": "resilience.loop",
@@ -32,14 +30,7 @@ _LAZY = {
 
 __all__ = ["ExitCode", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'resilience' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 def __dir__() -> list[str]:

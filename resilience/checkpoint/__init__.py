@@ -6,8 +6,7 @@ Names load lazily, so the torch-free modules here (layout, manifest, pointers, d
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from resilience.lazy import lazy_getattr
 
 _LAZY = {
     "Checkpointer": "resilience.checkpoint.checkpointer",
@@ -20,11 +19,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'resilience.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
