@@ -254,7 +254,7 @@ def _resume_choice(root: Path, entries: list[dict[str, Any]], pointers: dict[str
 def inspect_root(root: Path, *, deep: bool = False) -> dict[str, Any]:
     """The ``status`` document of checkpoint root ``root`` (an existing directory). Read-only.
 
-    ``deep`` also compares sha256 checksums (reads every byte); otherwise a checkpoint counts as
+    ``deep`` also compares digests (reads every byte); otherwise a checkpoint counts as
     complete when its manifest is readable and every listed file has the listed size.
     """
     pointers = _read_pointers(root)
@@ -271,7 +271,7 @@ def inspect_root(root: Path, *, deep: bool = False) -> dict[str, Any]:
 
 def format_status(doc: dict[str, Any]) -> str:
     """The terminal form of an :func:`inspect_root` document."""
-    checks = "sizes and sha256 checked" if doc["deep"] else "sizes checked; --deep also checks sha256"
+    checks = "sizes and digests checked" if doc["deep"] else "sizes checked; --deep also checks digests"
     lines = [f"Checkpoints in {doc['root']} ({checks})", ""]
     if doc["checkpoints"]:
         rows = [
@@ -304,7 +304,7 @@ def format_status(doc: dict[str, Any]) -> str:
 def add_status_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``CHECKPOINT_DIR``, ``--deep``, ``--json``."""
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint root (checkpoint.checkpoint_dir)")
-    parser.add_argument("--deep", action="store_true", help="also compare every file's sha256 (reads every byte)")
+    parser.add_argument("--deep", action="store_true", help="also compare every file's digest (reads every byte)")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
     return parser
 

@@ -1,4 +1,4 @@
-"""``resilience verify PATH``: every file's size and sha256 against its manifest, every failure reported.
+"""``resilience verify PATH``: every file's size and digest against its manifest, every failure reported.
 
 ``PATH`` is a checkpoint directory or a checkpoint root (then every checkpoint in it). Only the
 standard library is imported at import time; the checkpoint modules and tqdm are imported
@@ -8,7 +8,6 @@ inside the functions, so registering the command costs ``resilience run`` nothin
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -16,9 +15,6 @@ from typing import Any, Callable
 
 from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, within
 from resilience.exit_codes import ExitCode
-
-_CHUNK = 8 << 20  # hash in 8 MiB reads (as resilience.checkpoint.durable does)
-
 
 def _targets(path: Path) -> tuple[list[Path], list[str]]:
     """(checkpoint directories to verify, names of unpublished leftovers skipped)."""
@@ -36,19 +32,12 @@ def _targets(path: Path) -> tuple[list[Path], list[str]]:
     return found, leftovers
 
 
-def _hash(path: Path, advance: Callable[[int], object]) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-            advance(len(chunk))
-    return digest.hexdigest()
-
-
 def _entry_ok(rel: Any, want: Any) -> bool:
+    from resilience.checkpoint.durable import entry_digest
+
     return (
         isinstance(rel, str) and rel and not os.path.isabs(rel) and ".." not in Path(rel).parts
-        and isinstance(want, dict) and isinstance(want.get("size"), int) and isinstance(want.get("sha256"), str)
+        and isinstance(want, dict) and isinstance(want.get("size"), int) and entry_digest(want) is not None
     )
 
 
@@ -59,6 +48,7 @@ def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: s
     called with the bytes read or skipped, for a progress bar. Returns ``{"name", "ok",
     "files_checked", "bytes_checked", "failures": [{"file", "problem"}], "marked_bad"}``.
     """
+    from resilience.checkpoint.durable import entry_digest, file_digest
     from resilience.checkpoint.layout import BAD_MARKER
 
     result: dict[str, Any] = {"name": directory.name, "ok": True, "files_checked": 0, "bytes_checked": 0, "failures": [],
@@ -69,7 +59,7 @@ def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: s
     else:
         for rel, want in sorted(manifest["files"].items()):
             if not _entry_ok(rel, want):
-                failures.append({"file": str(rel), "problem": "malformed manifest entry (needs a relative path, an integer size and a sha256)"})
+                failures.append({"file": str(rel), "problem": "malformed manifest entry (needs a relative path, an integer size and a digest)"})
                 continue
             path = directory / rel
             result["files_checked"] += 1
@@ -87,13 +77,14 @@ def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: s
                 failures.append({"file": rel, "problem": f"{size} bytes, manifest says {want['size']} (truncated?)"})
                 advance(want["size"])
                 continue
+            algorithm, want_digest = entry_digest(want)
             try:
-                digest = _hash(path, advance)
+                digest = file_digest(path, algorithm, advance)
             except OSError as exc:
                 failures.append({"file": rel, "problem": f"unreadable ({exc.strerror})"})
                 continue
             result["bytes_checked"] += size
-            if digest != want["sha256"]:
+            if digest != want_digest:
                 failures.append({"file": rel, "problem": "checksum mismatch (corrupted bytes)"})
     result["ok"] = not failures
     return result

@@ -77,7 +77,7 @@ def build_root(root: Path) -> None:
     (root / "epoch_0_step_9" / MANIFEST).unlink()
     # Marked bad at an earlier start.
     (root / "epoch_0_step_8" / BAD_MARKER).write_text(BAD_TEXT)
-    # Flipped bytes, same size: only sha256 catches it.
+    # Flipped bytes, same size: only the digest catches it.
     rng = root / "epoch_0_step_6" / "rng" / "rank_00000.safetensors"
     data = bytearray(rng.read_bytes())
     data[len(data) // 2] ^= 0xFF

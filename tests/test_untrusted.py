@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from resilience.checkpoint import Checkpointer, TrainingState
-from resilience.checkpoint.durable import sha256_file
+from resilience.checkpoint.durable import DIGEST, file_digest
 from resilience.checkpoint.dcp_io import UnsafeCheckpointError
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
@@ -42,7 +42,7 @@ def _rewrite_with_matching_manifest(directory: Path, rel: str, data: bytes) -> N
     """Replace a file and fix its manifest entry, as an attacker who controls the files would."""
     (directory / rel).write_bytes(data)
     manifest = json.loads((directory / "manifest.json").read_text())
-    manifest["files"][rel] = {"size": len(data), "sha256": sha256_file(directory / rel)}
+    manifest["files"][rel] = {"size": len(data), DIGEST: file_digest(directory / rel)}
     (directory / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -7,14 +7,21 @@ unpickler that accepts DCP's own classes alone.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
+import os
 import pickle
+import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from resilience.checkpoint.durable import DurableFile, FileRecord
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -73,17 +80,46 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], target: Path, *, rank: int, group: Any) -> list[str]:
+class _DigestingFileSystem(FileSystem):
+    """DCP's local filesystem, writing through :class:`DurableFile`: every file DCP writes is
+    digested as its bytes pass and fsync'd, so the save need not read it back. ``records``
+    maps each final path to its (size, digest) record; thread-safe (DCP may write with threads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[Path, FileRecord] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        path = Path(path)
+        with DurableFile(path) as stream:
+            yield stream
+        with self._lock:
+            self.records[path] = stream.record(path.name)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)  # DCP writes .metadata.tmp, then renames it
+        with self._lock:
+            if (old := self.records.pop(Path(path), None)) is not None:
+                self.records[Path(new_path)] = dataclasses.replace(old, path=Path(new_path).name)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], target: Path, *, rank: int, group: Any) -> list[FileRecord]:
     """Write ``tensors`` as DCP files under ``target`` (a collective over ``group``: every rank
-    calls it); returns the names, relative to ``target``, of the files this rank wrote (rank 0
-    also owns ``.metadata``). DCP fsyncs its files (``sync_files``)."""
+    calls it); returns the records (paths relative to ``target``, sizes, digests) of the files
+    this rank wrote, each fsync'd and digested while written (rank 0 also owns ``.metadata``)."""
     target.mkdir(parents=True, exist_ok=True)
     writer = dcp.FileSystemWriter(str(target), sync_files=True, single_file_per_rank=True)
+    writer.fs = _DigestingFileSystem()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
         dcp.save(tensors, storage_writer=writer, process_group=group)
-    written = [p.name for p in target.glob(f"__{rank}_*.distcp")]
-    return written + [".metadata"] if rank == 0 else written
+    return sorted(writer.fs.records.values(), key=lambda rec: rec.path)
 
 
 def load_tensors(tensors: dict[str, torch.Tensor], source: Path, *, group: Any) -> None:

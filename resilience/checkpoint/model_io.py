@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 try:
@@ -42,7 +42,9 @@ except ImportError:  # torch < 2.5
 
 from resilience.checkpoint import consolidate as consolidation
 from resilience.checkpoint import dcp_io, hf_export
+from resilience.checkpoint.durable import FileRecord
 from resilience.checkpoint.layout import model_shard_name
+from resilience.checkpoint.safetensors_file import write_safetensors
 
 MODEL_DIR = "model"
 SHARD_INDEX = f"{MODEL_DIR}/{consolidation.SHARD_INDEX}"
@@ -71,9 +73,10 @@ def save_model(
     tokenizer: Any = None,
     max_file_bytes: int = MAX_FILE_BYTES,
     state_dict: dict[str, torch.Tensor] | None = None,
-) -> list[str]:
-    """Write this rank's part of the model into ``staging/model/``; returns the relative paths written
-    (the caller fsyncs and hashes them).
+) -> list[str | FileRecord]:
+    """Write this rank's part of the model into ``staging/model/``; returns what it wrote: records
+    of the files digested and fsync'd while written (weight shards, DCP files) and the relative
+    paths of the rest (the caller fsyncs and digests those).
 
     ``state_dict`` is a snapshot of ``get_model_state_dict(model)`` (an asynchronous save writes
     copies while training goes on); by default the live weights are read now.
@@ -128,12 +131,12 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
 
 
 # -- torch_save: DCP -------------------------------------------------------------------------------
-def _save_dcp(staging: Path, state: dict[str, torch.Tensor], *, rank: int, group: Any) -> list[str]:
-    return [f"{MODEL_DIR}/{name}" for name in dcp_io.save_tensors(state, staging / MODEL_DIR, rank=rank, group=group)]
+def _save_dcp(staging: Path, state: dict[str, torch.Tensor], *, rank: int, group: Any) -> list[FileRecord]:
+    return [rec.under(MODEL_DIR) for rec in dcp_io.save_tensors(state, staging / MODEL_DIR, rank=rank, group=group)]
 
 
 # -- safetensors: per-rank shards ------------------------------------------------------------------
-def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.Tensor], *, rank: int, world_size: int, consolidated: bool, tokenizer: Any, max_file_bytes: int) -> list[str]:
+def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.Tensor], *, rank: int, world_size: int, consolidated: bool, tokenizer: Any, max_file_bytes: int) -> list[str | FileRecord]:
     for key, value in state.items():
         if isinstance(value, DTensor):
             raise NotImplementedError(
@@ -162,15 +165,15 @@ def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.
         },
     }
     cpu = _cpu_copies(state)
-    written = []
+    written: list[str | FileRecord] = []
     mine: dict[str, list[str]] = {}
     for key in state:
         if owner[key] == rank:
             mine.setdefault(index["weight_map"][key], []).append(key)
     for name, keys in mine.items():
         originals_here = {k: index["tensors"][k]["original_dtype"] for k in keys if index["tensors"][k]["original_dtype"]}
-        save_file({k: cpu(k) for k in keys}, str(staging / MODEL_DIR / name), metadata={"format": "pt", "original_dtypes": json.dumps(originals_here)})
-        written.append(f"{MODEL_DIR}/{name}")
+        metadata = {"format": "pt", "original_dtypes": json.dumps(originals_here)}
+        written.append(write_safetensors(staging / MODEL_DIR / name, {k: cpu(k) for k in keys}, f"{MODEL_DIR}/{name}", metadata))
     if rank != 0:
         return written
     (staging / SHARD_INDEX).write_text(json.dumps(index, indent=1) + "\n")

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from resilience.checkpoint import dcp_io
 from resilience.checkpoint.dcp_io import UnsafeCheckpointError  # noqa: F401  (re-exported)
+from resilience.checkpoint.durable import FileRecord
 
 OPTIM_DIR = "optim"
 SKELETON = f"{OPTIM_DIR}/skeleton.json"
@@ -44,13 +45,14 @@ def capture_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return _split(get_optimizer_state_dict(model, optimizer))
 
 
-def save_optimizer(staging: Path, captured: tuple[dict[str, torch.Tensor], dict[str, Any]], *, rank: int, group: Any) -> list[str]:
+def save_optimizer(staging: Path, captured: tuple[dict[str, torch.Tensor], dict[str, Any]], *, rank: int, group: Any) -> list[str | FileRecord]:
     """Write a :func:`capture_optimizer` state (collective over ``group``: every rank calls it).
 
-    Returns the relative paths this rank wrote. DCP fsyncs its own files (``sync_files``).
+    Returns what this rank wrote: records of the DCP files (digested while written) and the
+    relative path of ``skeleton.json`` (rank 0).
     """
     tensors, skeleton = captured
-    written = [f"{OPTIM_DIR}/{name}" for name in dcp_io.save_tensors(tensors, staging / OPTIM_DIR, rank=rank, group=group)]
+    written: list[str | FileRecord] = [rec.under(OPTIM_DIR) for rec in dcp_io.save_tensors(tensors, staging / OPTIM_DIR, rank=rank, group=group)]
     if rank == 0:
         (staging / SKELETON).write_text(json.dumps(skeleton))
         written.append(SKELETON)

@@ -2,7 +2,7 @@
 
 1. Rank 0 creates ``.staging_<name>/`` (a leftover from a crash is removed first).
 2. Every rank runs its parts (model, optimizer, RNG, data position, ...), fsyncs and hashes
-   every file it wrote. Collective parts (DCP) run on every rank even after a local failure,
+   every file it wrote (most are digested while written). Collective parts (DCP) run on every rank even after a local failure,
    so no peer is left waiting in them.
 3. The file lists and errors are all-gathered: one failure anywhere raises on every rank.
 4. Rank 0 writes ``manifest.json`` last, fsyncs every directory, renames the staging directory
@@ -40,13 +40,15 @@ class CheckpointSaveError(RuntimeError):
 
 @dataclasses.dataclass
 class Part:
-    """One piece of a checkpoint: ``write(staging_dir) -> [relative paths written]``.
+    """One piece of a checkpoint: ``write(staging_dir) -> [files written]``, each a path relative
+    to the staging directory (fsync'd and digested afterwards by reading it back) or a
+    :class:`FileRecord` of a file already fsync'd and digested while it was written.
 
     ``collective`` parts (DCP) must run on every rank in the same order.
     """
 
     name: str
-    write: Callable[[Path], list[str]]
+    write: Callable[[Path], list[str | FileRecord]]
     collective: bool = False
 
 
@@ -126,9 +128,12 @@ def save_checkpoint(
                 # A collective part runs on every rank even after a local failure: a rank that
                 # skipped it would leave its peers waiting in DCP's collective forever.
                 error = error or f"{part.name}: {_describe(exc)}"
-            for rel in part.write(staging):
-                fsync_file(staging / rel)
-                records.append(record(staging, rel))
+            for written in part.write(staging):
+                if isinstance(written, FileRecord):  # digested while written, and fsync'd
+                    records.append(written)
+                else:  # written by a library that hides its bytes: fsync, then read back
+                    fsync_file(staging / written)
+                    records.append(record(staging, written))
         except _FAILURES as exc:  # noqa: BLE001
             error = error or f"{part.name}: {_describe(exc)}"
     gathered = ctx.all_gather_object((records, error))
