@@ -25,6 +25,7 @@ _LAZY = {
     "TrainingState": "resilience.checkpoint",
     "CheckpointSaveError": "resilience.checkpoint",
     "CheckpointNotFound": "resilience.checkpoint",
+    "CheckpointCorrupted": "resilience.checkpoint",
     "CheckpointInvalid": "resilience.checkpoint",
 }
 

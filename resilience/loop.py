@@ -325,13 +325,12 @@ class ResilientLoop:
         return self._stop_agreed_in_step
 
     def _resume(self):
-        directory = self.checkpointer.find_resume_point()
-        if directory is None:
+        restored = self.checkpointer.restore(self.state)
+        if restored is None:
             if self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
                 self._truncate_log(0)  # rows of a run that died before its first checkpoint: redone now
             return None
-        restored = self.checkpointer.load(directory, self.state)
-        self.resumed_from = directory
+        directory = self.resumed_from = restored.directory
         if restored.weights_only:  # no_load_optim: weights from load_path/restore_from, all else fresh
             self._truncate_log(0)
             log.info("rank %d: loaded the weights of %s (no_load_optim); training starts at step 0", self.ctx.rank, directory)
@@ -417,6 +416,8 @@ def resilient_loop(
     Raises:
         ConfigError: invalid configuration (before any training).
         CheckpointNotFound: ``checkpoint.restore_from`` is missing or invalid (at iteration start).
+        CheckpointCorrupted: every checkpoint to resume from was corrupt and one was partly
+            loaded (at iteration start); run again to start from scratch.
         CheckpointSaveError: a save failed on any rank (raised on every rank).
     """
     if not isinstance(config, ResilienceConfig):

@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resilience.checkpoint import (
+    CheckpointCorrupted,
     CheckpointInvalid,
     Checkpointer,
     CheckpointNotFound,
@@ -335,7 +336,10 @@ def test_invalid_latest_falls_back_to_newest_older_valid_checkpoint(root, caplog
     damage(root / "epoch_0_step_6")
     ck = checkpointer(root)
     with caplog.at_level(logging.WARNING, logger="resilience.checkpoint"):
-        assert ck.find_resume_point() == root / "epoch_0_step_4"
+        # structural damage is seen when choosing, flipped bytes while loading: either way the
+        # restore ends on the older checkpoint
+        assert ck.restore(make_state(seed=2)).directory == root / "epoch_0_step_4"
+    assert (root / "epoch_0_step_6" / BAD_MARKER).exists() or damage is _delete
     text = caplog.text
     assert "epoch_0_step_6" in text and why in text and "falling back to epoch_0_step_4" in text
     assert latest_name(root) == "epoch_0_step_6", "resume does not move LATEST"
@@ -358,11 +362,49 @@ def test_invalid_checkpoint_is_marked_bad_and_skipped_next_time(root, caplog):
 
 def test_all_checkpoints_invalid_means_fresh_start_with_warnings(root, caplog):
     save_steps(root, 2, 4)
+    _truncate(root / "epoch_0_step_2")
+    _truncate(root / "epoch_0_step_4")
+    with caplog.at_level(logging.WARNING, logger="resilience.checkpoint"):
+        assert checkpointer(root).restore(make_state(seed=2)) is None
+    assert caplog.text.count("truncated") == 2
+
+
+def test_all_checkpoints_corrupt_inside_stops_the_run_then_the_next_start_is_fresh(root, caplog):
+    # Flipped bytes are found while loading: the model is partly overwritten by then, so the run
+    # must not train on; started again, it starts from scratch.
+    save_steps(root, 2, 4)
     _flip_byte(root / "epoch_0_step_2")
     _flip_byte(root / "epoch_0_step_4")
     with caplog.at_level(logging.WARNING, logger="resilience.checkpoint"):
-        assert checkpointer(root).find_resume_point() is None
+        with pytest.raises(CheckpointCorrupted, match="run again to start from scratch"):
+            checkpointer(root).restore(make_state(seed=2))
     assert caplog.text.count("checksum mismatch") == 2
+    assert (root / "epoch_0_step_2" / BAD_MARKER).exists() and (root / "epoch_0_step_4" / BAD_MARKER).exists()
+    assert checkpointer(root).restore(make_state(seed=2)) is None
+
+
+def test_corrupt_optimizer_bytes_fall_back_to_an_exact_older_state(root):
+    ck = checkpointer(root)
+    older, newer = make_state(seed=1, train_steps=2), make_state(seed=1, train_steps=4)
+    ck.save(older, scheduler_at(2))
+    ck.save(newer, scheduler_at(4))
+    distcp = root / "epoch_0_step_4" / "optim" / "__0_0.distcp"
+    data = bytearray(distcp.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    distcp.write_bytes(bytes(data))
+    fresh = make_state(seed=3)
+    assert checkpointer(root).restore(fresh).directory == root / "epoch_0_step_2"
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), older.model.parameters()))
+    for p_fresh, p_old in zip(fresh.model.parameters(), older.model.parameters()):
+        got, want = fresh.optimizer.state[p_fresh], older.optimizer.state[p_old]
+        assert all(torch.equal(got[k], want[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def test_a_corrupt_restore_from_is_an_error_not_a_fallback(root):
+    save_steps(root, 2, 4)
+    _flip_byte(root / "epoch_0_step_2")
+    with pytest.raises(CheckpointNotFound, match="checkpoint.restore_from: .*checksum mismatch"):
+        checkpointer(root, restore_from="epoch_0_step_2").restore(make_state(seed=2))
 
 
 def test_checkpoints_newer_than_latest_are_not_resumed(root):

@@ -14,6 +14,7 @@ _LAZY = {
     "Restored": "resilience.checkpoint.checkpointer",
     "CheckpointInvalid": "resilience.checkpoint.manifest",
     "CheckpointNotFound": "resilience.checkpoint.reader",
+    "CheckpointCorrupted": "resilience.checkpoint.reader",
     "CheckpointSaveError": "resilience.checkpoint.writer",
 }
 

@@ -26,7 +26,7 @@ from resilience.checkpoint.async_writer import AsyncWriter
 from resilience.checkpoint.best import LowestVal, json_safe, select_metric
 from resilience.checkpoint.extra_state import load_extra_state, save_extra_state
 from resilience.checkpoint.layout import TRASH_PREFIX, MANIFEST, checkpoint_name, parse_checkpoint_name, rank_file
-from resilience.checkpoint.reader import CheckpointNotFound, find_resume_checkpoint
+from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, find_resume_checkpoint, load_verified
 from resilience.checkpoint.staging import StagingBuffers
 from resilience.checkpoint.writer import Part, remove_leftovers, save_checkpoint
 from resilience.config import _URL, CheckpointConfig, ConfigError
@@ -327,9 +327,40 @@ class Checkpointer:
         )
 
     # -- resume -------------------------------------------------------------------------------
+    def restore(self, state: TrainingState) -> Restored | None:
+        """Find the checkpoint to resume from and load it into ``state`` (:meth:`find_resume_point`
+        then :meth:`load`); ``None`` for a fresh start. A collective.
+
+        A checkpoint whose bytes turn out corrupt while loading is marked bad and the newest older
+        valid one is loaded instead (it overwrites everything the bad one had loaded).
+
+        Raises:
+            CheckpointNotFound: ``restore_from`` or ``load_path`` names a missing, incomplete or
+                corrupt checkpoint.
+            CheckpointCorrupted: every checkpoint tried was corrupt; the model and optimizer were
+                partly overwritten, so the run must not go on: started again, it trains from scratch.
+        """
+        corrupt: CheckpointCorrupted | None = None
+        while (directory := self.find_resume_point()) is not None:
+            try:
+                return self.load(directory, state)
+            except CheckpointCorrupted as exc:
+                if self.resume_source in ("restore_from", "load_path"):
+                    raise CheckpointNotFound(f"checkpoint.{self.resume_source}: {exc}") from exc
+                if self.ctx.rank == 0:
+                    log.warning("skipping invalid checkpoint: %s (marked bad)", exc)
+                corrupt = exc
+        if corrupt is not None:
+            raise CheckpointCorrupted(
+                f"{corrupt}; no older valid checkpoint to fall back to, and the model and optimizer were partly "
+                "overwritten while loading it: run again to start from scratch (the corrupt checkpoint is marked bad)"
+            )
+        return None
+
     def find_resume_point(self) -> Path | None:
         """The directory to resume from (``restore_from`` or ``LATEST`` with fallback), or ``None``.
 
+        Checks manifests and file sizes; the bytes are checked while :meth:`load` reads them.
         Also removes staging directories left by a crashed save. Raises ``CheckpointNotFound``
         when ``restore_from`` names a missing or invalid checkpoint.
         """
@@ -339,9 +370,9 @@ class Checkpointer:
             remove_leftovers(self.root)
         self.resume_source = None
         if self.config.restore_from is not None:
-            found, source = find_resume_checkpoint(self.ctx, self.root, self.config.restore_from), "restore_from"
+            found, source = find_resume_checkpoint(self.ctx, self.root, self.config.restore_from, checksums=False), "restore_from"
         else:
-            found = find_resume_checkpoint(self.ctx, self.root, None) if self.config.resume else None
+            found = find_resume_checkpoint(self.ctx, self.root, None, checksums=False) if self.config.resume else None
             source = "latest"
             # MindSpore's load_path: only while checkpoint_dir has nothing of its own, so a
             # requeued run continues from its own LATEST instead of loading load_path again.
@@ -354,8 +385,8 @@ class Checkpointer:
         """``load_path`` as a checkpoint directory, or as a root whose ``LATEST`` (with fallback) is followed."""
         path = Path(self.config.load_path).absolute()
         if (path / MANIFEST).exists() or parse_checkpoint_name(path.name):
-            return find_resume_checkpoint(self.ctx, self.root, str(path), key="checkpoint.load_path")
-        found = find_resume_checkpoint(self.ctx, path, None)
+            return find_resume_checkpoint(self.ctx, self.root, str(path), key="checkpoint.load_path", checksums=False)
+        found = find_resume_checkpoint(self.ctx, path, None, checksums=False)
         if found is None:
             raise CheckpointNotFound(
                 f"checkpoint.load_path={self.config.load_path!r}: no valid checkpoint there (neither a checkpoint "
@@ -372,9 +403,16 @@ class Checkpointer:
         (and a warning). Either way an optimizer's ``reload_main_params_from_model()``, where it
         has one, rebuilds its FP32 master copy from the loaded weights.
 
+        Every byte is checked against the manifest while it is read (:func:`load_verified`).
+
         Raises:
             ValueError: the checkpoint was written with a different world size.
+            CheckpointCorrupted: its bytes differ from the manifest (it is marked bad; what was
+                loaded must not be used: :meth:`restore` falls back to an older checkpoint).
         """
+        return load_verified(self.ctx, directory, lambda: self._load(directory, state))
+
+    def _load(self, directory: Path, state: TrainingState) -> Restored:
         manifest = json.loads((directory / "manifest.json").read_text())
         meta = manifest["meta"]
         saved_world = int(meta["world_size"])
