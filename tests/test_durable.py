@@ -8,11 +8,12 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from resilience.checkpoint.durable import DIGEST, DurableFile, file_digest
 from resilience.checkpoint.manifest import CheckpointInvalid, validate
-from resilience.checkpoint.safetensors_file import write_safetensors
+from resilience.checkpoint.safetensors_file import read_safetensors, write_safetensors
 
 
 def test_durable_file_digest_equals_reading_the_file_back(tmp_path):
@@ -34,13 +35,17 @@ def test_safetensors_writer_matches_save_file_byte_for_byte(tmp_path):
         "h": torch.randn(4, dtype=torch.bfloat16), "m": torch.tensor([True, False]), "s": torch.tensor(2.5),
         "empty": torch.zeros(0, 4),
     }
-    meta = {"format": "pt", "original_dtypes": "{}"}
+    meta = {"format": "pt"}  # one key: save_file orders __metadata__ keys at random (a Rust HashMap)
     save_file(tensors, str(tmp_path / "ref.safetensors"), metadata=meta)
     rec = write_safetensors(tmp_path / "ours.safetensors", tensors, "ours.safetensors", meta)
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
     assert rec.digest == file_digest(tmp_path / "ours.safetensors")
     loaded = load_file(str(tmp_path / "ours.safetensors"))
     assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tensors.items())
+    more = {"format": "pt", "original_dtypes": '{"w": "bfloat16"}'}
+    write_safetensors(tmp_path / "more.safetensors", tensors, "more.safetensors", more)
+    with safe_open(str(tmp_path / "more.safetensors"), "pt") as fh:
+        assert fh.metadata() == more
 
 
 def test_safetensors_writer_refuses_what_it_cannot_write(tmp_path):
@@ -71,3 +76,26 @@ def test_an_entry_without_a_digest_is_invalid(tmp_path):
     directory = _manifest_dir(tmp_path, {"size": 7})
     with pytest.raises(CheckpointInvalid, match="has no digest"):
         validate(directory, checksums=False)
+
+
+def test_safetensors_reader_fills_matching_targets_in_place_and_allocates_the_rest(tmp_path):
+    torch.manual_seed(0)
+    tensors = {"w": torch.randn(5, 3), "i": torch.arange(4, dtype=torch.int64), "h": torch.randn(2, dtype=torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "f.safetensors"), metadata={"format": "pt"})
+    in_place = torch.zeros(5, 3)
+    wrong_dtype = torch.zeros(4, dtype=torch.int32)
+    got = read_safetensors(tmp_path / "f.safetensors", {"w": in_place, "i": wrong_dtype})
+    assert got["w"] is in_place and torch.equal(in_place, tensors["w"])
+    assert got["i"] is not wrong_dtype and got["i"].dtype == torch.int64 and torch.equal(got["i"], tensors["i"])
+    assert torch.equal(got["h"], tensors["h"]) and set(got) == set(tensors)
+
+
+def test_safetensors_reader_refuses_malformed_files(tmp_path):
+    save_file({"w": torch.randn(8)}, str(tmp_path / "f.safetensors"))
+    data = (tmp_path / "f.safetensors").read_bytes()
+    (tmp_path / "short").write_bytes(data[:-4])
+    with pytest.raises(ValueError, match="inconsistent data_offsets"):
+        read_safetensors(tmp_path / "short")
+    (tmp_path / "junk").write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        read_safetensors(tmp_path / "junk")

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 try:
@@ -44,7 +43,7 @@ from resilience.checkpoint import consolidate as consolidation
 from resilience.checkpoint import dcp_io, hf_export
 from resilience.checkpoint.durable import FileRecord
 from resilience.checkpoint.layout import model_shard_name
-from resilience.checkpoint.safetensors_file import write_safetensors
+from resilience.checkpoint.safetensors_file import read_safetensors, write_safetensors
 
 MODEL_DIR = "model"
 SHARD_INDEX = f"{MODEL_DIR}/{consolidation.SHARD_INDEX}"
@@ -121,13 +120,15 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
         set_model_state_dict(model, state)
     else:
         layout = consolidation.read_layout(model_dir)
+        live = get_model_state_dict(model)  # the model's own tensors: read into them in place
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted({info["shard"] for info in layout.values()}):
-            tensors.update(load_file(str(model_dir / shard)))
+            tensors.update(read_safetensors(model_dir / shard, live))
         if set(tensors) != set(layout):
             differ = sorted(set(tensors) ^ set(layout))[:5]
             raise ValueError(f"{model_dir}: the shards and {consolidation.SHARD_INDEX} disagree on {differ}")
-        set_model_state_dict(model, tensors)
+        if set(tensors) != set(live) or any(t is not live[key] for key, t in tensors.items()):
+            set_model_state_dict(model, tensors)  # some did not fit in place (or keys differ: its error)
 
 
 # -- torch_save: DCP -------------------------------------------------------------------------------

@@ -60,15 +60,23 @@ def save_optimizer(staging: Path, captured: tuple[dict[str, torch.Tensor], dict[
 
 
 def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group: Any) -> None:
-    """Restore the optimizer state in place (collective over ``group``)."""
+    """Restore the optimizer state in place (collective over ``group``).
+
+    DCP reads into the optimizer's current state tensors where they match in shape and dtype
+    (an optimizer that has stepped), else into new ones (a fresh optimizer has no state yet).
+    """
     skeleton = json.loads((directory / SKELETON).read_text())
+    current = get_optimizer_state_dict(model, optimizer)["state"]
     tensors = {}
     state: dict[str, Any] = {}
     for fqn, entries in skeleton["state"].items():
         state[fqn] = {}
         for name, spec in entries.items():
             if "tensor" in spec:
-                tensors[spec["tensor"]] = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+                shape, dtype = spec["shape"], getattr(torch, spec["dtype"])
+                mine = current.get(fqn, {}).get(name)
+                fits = isinstance(mine, torch.Tensor) and mine.device.type == "cpu" and list(mine.shape) == shape and mine.dtype == dtype
+                tensors[spec["tensor"]] = mine if fits else torch.empty(shape, dtype=dtype)
             else:
                 state[fqn][name] = spec["value"]
     dcp_io.load_tensors(tensors, directory / OPTIM_DIR, group=group)

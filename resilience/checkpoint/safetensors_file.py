@@ -1,17 +1,21 @@
-"""Write a safetensors file through :class:`DurableFile`, digesting its bytes as they are written.
+"""Safetensors files written through :class:`DurableFile` (digested as written) and read
+straight into the tensors they restore.
 
 The format (https://github.com/huggingface/safetensors#format): an 8-byte little-endian header
 length, a JSON header (``__metadata__`` and, per tensor, dtype, shape and ``data_offsets``)
 padded with spaces to a multiple of 8, then the tensors' bytes back to back. Larger elements
 come first, so every tensor starts at an offset aligned to its element size (as
-``safetensors.torch.save_file`` does). We write it ourselves only because ``save_file`` hides
-its bytes: digesting a shard afterwards meant reading it back, a second pass over every byte
-(bench/README.md). Reading stays with the ``safetensors`` library.
+``safetensors.torch.save_file`` does, byte for byte). We write and read it ourselves only for
+speed, measured in bench/README.md: ``save_file`` hides its bytes, so digesting a shard meant
+reading it back; ``load_file`` maps the file and copies every tensor once more into the model,
+at about half the disk's cold read rate. Other readers (``resilience consolidate``, tests)
+use the ``safetensors`` library.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -24,6 +28,7 @@ _DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.complex64: "C64",
 }
+_CODES = {}  # filled below: safetensors code -> dtype
 for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
     if hasattr(torch, _name):
         _DTYPES[getattr(torch, _name)] = _code
@@ -64,3 +69,58 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], relpath: str
             if t.numel():
                 out.write(t.reshape(-1).view(torch.uint8).numpy())
     return out.record(relpath)
+
+
+_CODES.update({code: dtype for dtype, code in _DTYPES.items()})
+_MAX_HEADER = 100 << 20  # the safetensors library's own limit
+
+
+def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file at ``path``, by name, read in file order.
+
+    A tensor lands in ``targets[name]`` in place (no copy after the read) when that is a
+    contiguous CPU tensor of the same dtype and shape; otherwise in a new tensor. Returns
+    ``{name: tensor}`` for every tensor in the file (the targets themselves where used).
+
+    Raises:
+        ValueError: a malformed file (header, dtype, offsets outside the file or overlapping).
+        OSError: the file cannot be read.
+    """
+    targets = targets or {}
+    with open(path, "rb", buffering=0) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(8)
+        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+        if not 0 < length <= min(_MAX_HEADER, size - 8):
+            raise ValueError(f"{path}: not a safetensors file (header length {length})")
+        try:
+            header = json.loads(fh.read(length))
+        except ValueError as exc:
+            raise ValueError(f"{path}: unreadable safetensors header ({exc})") from exc
+        header.pop("__metadata__", None)
+        data_start, end = 8 + length, 0
+        out: dict[str, torch.Tensor] = {}
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            dtype = _CODES.get(info.get("dtype"))
+            begin, stop = info["data_offsets"]
+            if dtype is None:
+                raise ValueError(f"{path}: {name} has an unknown dtype {info.get('dtype')!r}")
+            shape = list(info["shape"])
+            nbytes = stop - begin
+            if begin != end or nbytes != torch.Size(shape).numel() * dtype.itemsize or data_start + stop > size:
+                raise ValueError(f"{path}: {name} has inconsistent data_offsets {info['data_offsets']}")
+            end = stop
+            target = targets.get(name)
+            if not (isinstance(target, torch.Tensor) and target.device.type == "cpu" and target.is_contiguous()
+                    and target.dtype == dtype and list(target.shape) == shape):
+                target = torch.empty(shape, dtype=dtype)
+            if nbytes:
+                view = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+                fh.seek(data_start + begin)
+                while view:
+                    n = fh.readinto(view)
+                    if not n:
+                        raise ValueError(f"{path}: ends inside {name}")
+                    view = view[n:]
+            out[name] = target
+    return out
