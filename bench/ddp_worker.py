@@ -31,6 +31,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 REPO = Path(__file__).resolve().parents[1]
+AUTO_INTERVAL_S = 0.1  # step_scheduler.agreement_interval_s's default
 EXAMPLE = REPO / "examples" / "digits"
 
 
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     from resilience.config import CheckpointConfig
     from resilience.distributed import DistContext
     from resilience.signals import SignalRecorder
+    from resilience.timing import RunTimer, auto_cadence
     from resilience.state.step_scheduler import StepScheduler
 
     dist.init_process_group("gloo")
@@ -122,9 +125,22 @@ def main(argv: list[str] | None = None) -> int:
     counter = [0]
     big_k = args.big_k
 
+    def make_agreement(k: int | str) -> tuple[StopAgreement, Callable[[], int]]:
+        """Our agreement at cadence ``k``, and what the loop would propose each boundary (``auto``:
+        rank 0's measured step time mapped by resilience.timing.auto_cadence, as the loop does)."""
+        if k != "auto":
+            return StopAgreement(side, every_steps=int(k)), lambda: 0
+        timer = RunTimer()
+
+        def propose() -> int:
+            timer.boundary()
+            return auto_cadence(timer.step_s, AUTO_INTERVAL_S) if rank == 0 else 0
+
+        return StopAgreement(side, every_steps=1, adaptive=True), propose
+
     def block(variant: str, steps: int) -> tuple[list[float], float]:
         """Per-step times (s), and the total time spent in the step-boundary call itself."""
-        agreement = StopAgreement(side, every_steps=1 if variant == "ours_k1" else big_k) if variant.startswith("ours") else None
+        agreement, propose = make_agreement(variant.removeprefix("ours_k").removeprefix("ours_")) if variant.startswith("ours") else (None, None)
         flag = torch.zeros(1, dtype=torch.int64)
         times = []
         in_boundary = 0.0
@@ -135,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 counter[0] += 1
                 mid = time.perf_counter()
                 if agreement is not None:
-                    agreement.update(counter[0], 0)
+                    agreement.update(counter[0], 0, propose_every_steps=propose())
                 elif variant == "blocking":
                     flag.zero_()
                     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=side)
@@ -147,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 agreement.close()
         return times, in_boundary
 
-    variants = ["none", "ours_k1", f"ours_k{big_k}", "blocking"]
+    variants = ["none", "ours_k1", f"ours_k{big_k}", "ours_auto", "blocking"]
     per_block: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for r in range(args.rounds):
         order = variants[r % len(variants):] + variants[: r % len(variants)]
@@ -167,14 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     dist.all_gather_object(pids, os.getpid())
     rng = random.Random(1234)
     latency: dict[str, list[dict[str, float]]] = {}
-    for k in (1, big_k):
-        trials = latency.setdefault(f"k{k}", [])
+    for k in (1, big_k, "auto"):
+        trials = latency.setdefault(f"k{k}" if k != "auto" else "auto", [])
         for _ in range(args.latency_trials):
             dist.barrier()
             kill_at: list[float] = []
             timer = None
             with SignalRecorder([signal.SIGUSR1]) as recorder:
-                agreement = StopAgreement(side, every_steps=k)
+                agreement, propose = make_agreement(k)
                 if rank == 0:
                     delay = rng.uniform(0.1, 0.3)
 
@@ -193,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                     local = 1 if recorder else 0
                     if local and first_flag is None:
                         first_flag = counter[0]
-                    if agreement.update(counter[0], local):
+                    if agreement.update(counter[0], local, propose_every_steps=propose()):
                         agreed_at, agreed_step = time.monotonic(), counter[0]
                         break
                 agreement.close()
@@ -207,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                     "seconds": max(row["agreed_at"] for row in rows) - kill_at[0],
                     "steps": signalled["agreed_step"] - signalled["first_flag"],
                     "same_step_on_all_ranks": len({row["agreed_step"] for row in rows}) == 1,
+                    "every_steps_at_stop": agreement.every_steps,
                 })
         if rank == 0:
             print(f"stop latency k={k}: " + ", ".join(f"{t['seconds'] * 1e3:.1f} ms/{t['steps']} steps" for t in trials), flush=True)

@@ -13,7 +13,7 @@ a surviving rank may finish on its own (it normally fails in its next collective
 ``--survivor-grace`` seconds, else it is killed too. Then, with nothing running:
 
 * torn: ``LATEST`` must name a checkpoint whose manifest validates (every file present with its
-  size and sha256), and so must every published ``epoch_*_step_*`` directory;
+  size and digest), and so must every published ``epoch_*_step_*`` directory;
 * a resumed run (same config, no kill) must finish with exit 0, no staging directory left, and
   per-step losses and learning rates and the final model weights bitwise equal to an
   uninterrupted reference run of the same mode (two reference runs per mode, made once, which

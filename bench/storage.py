@@ -99,7 +99,8 @@ def load_ours(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Op
 
 
 def find_ours(root: Path) -> Path:
-    """``Checkpointer.find_resume_point``: follows ``LATEST`` and validates (sizes, sha256)."""
+    """``Checkpointer.find_resume_point``: follows ``LATEST`` and checks manifests and sizes (the
+    bytes are checked while ``Checkpointer.load`` reads them)."""
     found = ours_checkpointer(root).find_resume_point()
     assert found is not None, f"no checkpoint found under {root}"
     return found
@@ -296,9 +297,9 @@ def _wrap(module: Any, attr: str, label: str, totals: dict[str, float]) -> Calla
 
 def breakdown(work: Path, model, optimizer) -> dict[str, Any]:
     """One save, one validation and one load of ours, each cold, with its phases timed (s), to
-    say where the time goes: model weights (safetensors), optimizer (DCP), fsync, sha256 re-read,
+    say where the time goes: model weights (safetensors), optimizer (DCP), fsync, digests,
     fresh allocations and copies into the live objects, ..."""
-    from resilience.checkpoint import checkpointer, durable, manifest, model_io, optim_io, reader, writer
+    from resilience.checkpoint import checkpointer, model_io, optim_io, reader, writer
 
     dcp_io = getattr(optim_io, "dcp_io", None)
     tensors = state_tensors(model, optimizer)
@@ -316,20 +317,20 @@ def breakdown(work: Path, model, optimizer) -> dict[str, Any]:
         undo = [
             _wrap(checkpointer, "get_model_state_dict", "capture: get_model_state_dict", totals),
             _wrap(optim_io, "capture_optimizer", "capture: capture_optimizer", totals),
-            _wrap(model_io, "save_model", "model weights: save_model (safetensors)", totals),
-            _wrap(optim_io, "save_optimizer", "optimizer: save_optimizer (DCP, fsync'd)", totals),
-            _wrap(writer, "fsync_file", "fsync_file of every file", totals),
-            _wrap(writer, "record", "record: stat + sha256 re-read of every file", totals),
+            _wrap(model_io, "save_model", "model weights: save_model (worker thread, beside the optimizer)", totals),
+            _wrap(model_io, "write_safetensors", "  shards written, digested and fsync'd in one pass", totals),
+            _wrap(optim_io, "save_optimizer", "optimizer: save_optimizer (DCP, digested and fsync'd)", totals),
+            _wrap(writer, "fsync_file", "fsync_file of files written by libraries", totals),
+            _wrap(writer, "record", "record: read back + digest of files written by libraries", totals),
             _wrap(writer, "write_manifest", "manifest write", totals),
             _wrap(model_io, "load_model", "model weights: load_model", totals),
-            _wrap(model_io, "load_file", "  safetensors load_file (fresh tensors)", totals),
-            _wrap(model_io, "set_model_state_dict", "  set_model_state_dict (copy into the model)", totals),
+            _wrap(model_io, "read_safetensors", "  shards read in place into the model", totals),
+            _wrap(model_io, "set_model_state_dict", "  set_model_state_dict (only what did not fit in place)", totals),
             _wrap(optim_io, "load_optimizer", "optimizer: load_optimizer", totals),
-            _wrap(dcp_io, "load_tensors", "  DCP load into fresh tensors", totals) if dcp_io is not None else (lambda: None),
+            _wrap(dcp_io, "load_tensors", "  DCP load into the optimizer's tensors", totals) if dcp_io is not None else (lambda: None),
             _wrap(optim_io, "set_optimizer_state_dict", "  set_optimizer_state_dict", totals),
-            _wrap(reader, "validate", "validate: sha256 of every file", totals),
-            _wrap(durable, "sha256_file", "sha256_file (inside record/validate)", totals),
-            _wrap(manifest, "sha256_file", "sha256_file (inside record/validate)", totals),
+            _wrap(reader, "file_digest", "content check: digests (background thread, overlaps the load)", totals),
+            _wrap(reader, "validate", "validate: manifests and sizes", totals),
         ]
         try:
             if phase == "save":

@@ -47,8 +47,12 @@ def _recorded_timings(root: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int = 1, median: bool = False) -> dict[str, Any]:
+def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int | str = "auto", median: bool = False,
+           agreement_interval_s: float = 0.1) -> dict[str, Any]:
     """The recommended Slurm lead time from the timings recorded under ``root``.
+
+    ``agreement_every_steps`` is the loop's cadence k (an int, or ``auto``: the steps that fit
+    in ``agreement_interval_s`` seconds, as the loop adapts it).
 
     Uses the newest checkpoint (by ``saved_at``) that recorded both ``step_s`` and ``save_s``
     (else the newest with ``step_s``, counting a save as one step, as
@@ -58,7 +62,7 @@ def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int = 1, m
     Raises:
         LookupError: no manifest under ``root`` recorded a step time.
     """
-    from resilience.timing import seconds_needed
+    from resilience.timing import auto_cadence, seconds_needed
 
     rows = _recorded_timings(root)
     with_step = [r for r in rows if r["step_s"] is not None]
@@ -81,6 +85,9 @@ def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int = 1, m
     if save_s is None:
         save_s = step_s
         notes.append("no save time recorded yet: a save is counted as one step (as the loop's deadline rule does)")
+    if agreement_every_steps == "auto":
+        agreement_every_steps = auto_cadence(step_s, agreement_interval_s) or 1
+        notes.append(f"agreement_every_steps auto: k = {agreement_every_steps} for {step_s:.3f} s steps (a round every {agreement_interval_s:g} s at most, at least every step)")
     needed = seconds_needed(step_s, save_s, agreement_every_steps=agreement_every_steps, safety=safety)
     lead_s = math.ceil(needed + SLURM_SIGNAL_INTERVAL_S)
     return {"version": JSON_VERSION, "root": str(root), "source": source, "step_s": step_s, "save_s": save_s,
@@ -112,25 +119,27 @@ def add_advise_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     """Declare ``CHECKPOINT_DIR``, ``--safety``, ``--agreement-every-steps``, ``--median``, ``--json``."""
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint root (or one checkpoint directory)")
     parser.add_argument("--safety", default="1.5", help="factor on step + save time (default 1.5, as step_scheduler.deadline_safety)")
-    parser.add_argument("--agreement-every-steps", default="1", help="the stop agreement's cadence k in steps (step_scheduler.agreement_every_steps, default 1): a stop may run 2k - 1 more steps")
+    parser.add_argument("--agreement-every-steps", default="auto", help="the stop agreement's cadence k in steps, or auto (step_scheduler.agreement_every_steps, default auto: the steps that fit in 0.1 s): a stop may run 2k - 1 more steps")
     parser.add_argument("--median", action="store_true", help="the median over all checkpoints instead of the newest timings")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     return parser
 
 
-def _parse_advise(args: argparse.Namespace) -> tuple[Path, float, int]:
+def _parse_advise(args: argparse.Namespace) -> tuple[Path, float, int | str]:
     try:
         safety = float(args.safety)
     except ValueError:
         safety = float("nan")
     if not math.isfinite(safety) or safety <= 0:
         raise UsageError(f"--safety: expected a number > 0, e.g. 1.5, got {args.safety!r}")
+    if args.agreement_every_steps == "auto":
+        return existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR"), safety, "auto"
     try:
         every = int(args.agreement_every_steps)
     except ValueError:
         every = 0
     if every < 1:
-        raise UsageError(f"--agreement-every-steps: expected an integer >= 1, got {args.agreement_every_steps!r}")
+        raise UsageError(f"--agreement-every-steps: expected an integer >= 1 or auto, got {args.agreement_every_steps!r}")
     return existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR"), safety, every
 
 

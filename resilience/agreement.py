@@ -59,6 +59,12 @@ class StopAgreement:
     within ``G`` seconds of a signal (Slurm ``--signal=TERM@G``) while leaving ``save_s`` seconds
     for the checkpoint, choose ``k <= (G - save_s) / (2 * step_time)``.
 
+    Adaptive cadence (``adaptive=True``): each collective also carries a proposed cadence (the
+    MAX over ranks of what :meth:`update` got as ``propose_every_steps``; the loop proposes on
+    rank 0 only, from its measured step time, and 0 elsewhere). Every rank reads the same
+    proposal at the same step and switches to it there, so the ranks stay in lockstep; the
+    latency bound above then holds with ``k`` the larger of the old and new cadence.
+
     Local mode: with ``group=None`` and torch.distributed not initialised there are no
     collectives; :meth:`update` returns the sticky local flag at once (any step, no cadence).
 
@@ -68,7 +74,8 @@ class StopAgreement:
             when training uses NCCL). With ``None`` and torch.distributed initialised, the
             constructor creates one itself; ``dist.new_group`` is a collective, so then every
             rank must construct its ``StopAgreement`` at the same point.
-        every_steps: the cadence ``k`` in steps, >= 1 (default 1). Must be equal on all ranks:
+        adaptive: let the cadence follow the proposals passed to :meth:`update` (see above).
+        every_steps: the (initial) cadence ``k`` in steps, >= 1 (default 1). Must be equal on all ranks:
             the constructor checks it with one blocking all-reduce and raises ``ValueError`` on
             every rank if not. The per-step cost (about one small all-reduce, see module doc)
             is divided by ``k``; the latency above grows with it.
@@ -81,12 +88,13 @@ class StopAgreement:
     :meth:`drain`, :meth:`agree_now` and :meth:`close` at the same points.
     """
 
-    def __init__(self, group: "dist.ProcessGroup | None" = None, *, every_steps: int = 1) -> None:
+    def __init__(self, group: "dist.ProcessGroup | None" = None, *, every_steps: int = 1, adaptive: bool = False) -> None:
         if isinstance(every_steps, bool) or not isinstance(every_steps, int):
             raise TypeError(f"every_steps: expected an int >= 1, got {every_steps!r} ({type(every_steps).__name__})")
         if every_steps < 1:
             raise ValueError(f"every_steps: must be >= 1, got {every_steps}")
         self._every = every_steps
+        self._adaptive = adaptive
         self._owns_group = False
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.new_group(backend="gloo")  # collective: every rank makes the same call
@@ -95,7 +103,7 @@ class StopAgreement:
         self._local = 0  # sticky MAX of every local_stop seen
         self._agreed = 0  # final once > 0
         self._work: Any = None  # the in-flight all-reduce, or None
-        self._buf = torch.zeros(1, dtype=torch.int64)
+        self._buf = torch.zeros(2, dtype=torch.int64)  # [stop code, proposed cadence]
         self._closed = False
         if self._group is not None:
             try:
@@ -117,7 +125,7 @@ class StopAgreement:
 
     @property
     def every_steps(self) -> int:
-        """The cadence in steps."""
+        """The current cadence in steps (it changes only with ``adaptive``)."""
         return self._every
 
     @property
@@ -145,12 +153,14 @@ class StopAgreement:
         """True while a started all-reduce has not been read yet."""
         return self._work is not None
 
-    def update(self, global_step: int, local_stop: int | bool) -> int:
+    def update(self, global_step: int, local_stop: int | bool, *, propose_every_steps: int = 0) -> int:
         """Record this rank's flag after step ``global_step``; return the agreed code (0 = continue).
 
         Args:
             global_step: the step that just finished, >= 0; the same sequence on every rank.
             local_stop: 0/False (no stop) or a reason code > 0 / True (= 1).
+            propose_every_steps: with ``adaptive``, a cadence to switch to (0 = no proposal),
+                carried by the collective started here; ignored otherwise.
 
         Returns:
             0 to continue, or the reason code > 0 that every rank gets at this same step.
@@ -177,12 +187,15 @@ class StopAgreement:
                 self._agreed = result
                 return result
         self._buf[0] = self._local
+        self._buf[1] = max(0, int(propose_every_steps)) if self._adaptive else 0
         self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return 0
 
     def _read(self) -> int:
         self._work.wait()
         self._work = None
+        if self._adaptive and int(self._buf[1]) >= 1:
+            self._every = int(self._buf[1])  # the same value at the same step on every rank
         return int(self._buf[0])
 
     def drain(self) -> int:

@@ -17,6 +17,7 @@ loop ends with ``ExitCode.PREEMPTED``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ from resilience.mindspore_compat import rescale_for_global_batch_size
 from resilience.state.data_position import resume_iterator, set_epoch
 from resilience.state.step_scheduler import StepScheduler
 from resilience import progress_guard
-from resilience.timing import RunTimer, lead_time_warning, must_stop
+from resilience.timing import RunTimer, auto_cadence, lead_time_warning, must_stop
 
 log = logging.getLogger("resilience")
 
@@ -158,7 +159,7 @@ class ResilientLoop:
         if warning and self.ctx.rank == 0 and sched_cfg.signals:
             log.warning(warning)
         try:
-            with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=sched_cfg.agreement_every_steps) as agreement:
+            with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=1 if self._auto_cadence else sched_cfg.agreement_every_steps, adaptive=self._auto_cadence) as agreement:
                 # A stop the launcher or batch script recorded before this rank could receive it.
                 stop_before_start = mark_ready_and_check_stop(acts_on_stop=bool(sched_cfg.signals)) and bool(sched_cfg.signals)
                 self._pending = lambda: STOP_PREEMPTION if (signals or stop_before_start) else 0
@@ -185,6 +186,11 @@ class ResilientLoop:
                         self.checkpointer.close()
         finally:
             self.ctx.close()  # our gloo group (the agreement drained its last collective on exit)
+            if self.exit_code == ExitCode.PREEMPTED:
+                # The process exits next, inside Slurm's warning time: the interpreter's last
+                # garbage collections walk every object torch made (0.4-2 s here, bench/ddp.py's
+                # teardown figure); frozen objects are skipped. Memory is freed by the exit.
+                gc.freeze()
 
     def _steps(self, restored, agreement) -> Iterator[Step]:
         sched_cfg = self.config.step_scheduler
@@ -208,7 +214,7 @@ class ResilientLoop:
                 self._in_step = False
                 scheduler.finish_step()
                 self.timer.boundary()
-                stop = agreement.update(scheduler.global_step, max(self._pending(), self._deadline_flag()))
+                stop = agreement.update(scheduler.global_step, max(self._pending(), self._deadline_flag()), propose_every_steps=self._proposed_cadence())
                 if scheduler.done:
                     break  # a stop during the final step: finish normally
                 # The last batch of the last epoch is the final step too (the scheduler counts the
@@ -283,8 +289,25 @@ class ResilientLoop:
             return 0
         sched_cfg = self.config.step_scheduler
         late = must_stop(time.time(), self._end_time, self.timer.step_s, self.timer.save_s,
-                         agreement_every_steps=sched_cfg.agreement_every_steps, safety=sched_cfg.deadline_safety)
+                         agreement_every_steps=self._cadence(), safety=sched_cfg.deadline_safety)
         return STOP_DEADLINE if late else 0
+
+    @property
+    def _auto_cadence(self) -> bool:
+        return self.config.step_scheduler.agreement_every_steps == "auto"
+
+    def _cadence(self) -> int:
+        """The agreement's cadence in steps now (``auto``: what it has adapted to so far)."""
+        if self._agreement is not None:
+            return self._agreement.every_steps
+        return 1 if self._auto_cadence else self.config.step_scheduler.agreement_every_steps
+
+    def _proposed_cadence(self) -> int:
+        """``auto`` on rank 0: the steps that take ``agreement_interval_s``, from the measured step
+        time (0 = no proposal: not auto, not rank 0, or no step time yet)."""
+        if not self._auto_cadence or self.ctx.rank != 0:
+            return 0
+        return auto_cadence(self.timer.step_s, self.config.step_scheduler.agreement_interval_s)
 
     def _warn_lead_time(self, timings: dict[str, Any]) -> None:
         """Warn (rank 0, once) when the Slurm signal's lead time cannot cover a stop, judged from
@@ -297,7 +320,7 @@ class ResilientLoop:
         lead_s = float(lead) if lead is not None else float(self.config.slurm.signal_lead_s)
         sched_cfg = self.config.step_scheduler
         warning = lead_time_warning(lead_s, timings.get("step_s"), timings.get("save_s"),
-                                    agreement_every_steps=sched_cfg.agreement_every_steps, safety=sched_cfg.deadline_safety)
+                                    agreement_every_steps=self._cadence(), safety=sched_cfg.deadline_safety)
         if warning:
             log.warning(warning)
             self._lead_time_warned = True
@@ -309,7 +332,8 @@ class ResilientLoop:
         self.checkpointer.wait()  # an asynchronous save must be published before we exit
         self.stop_step = step
         self.exit_code = ExitCode.PREEMPTED
-        log.warning("rank %d: stop %s at step %d; checkpoint published, exiting for requeue", self.ctx.rank, when, step)
+        log.warning("rank %d: stop %s at step %d (agreement every %d step(s)); checkpoint published, exiting for requeue",
+                    self.ctx.rank, when, step, self._cadence())
 
     def should_stop(self) -> bool:
         """A collective check for long phases inside a step's body (evaluation): True when a stop

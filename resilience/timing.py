@@ -48,6 +48,15 @@ class RunTimer:
         return {"step_s": self.step_s, "save_s": self.save_s}
 
 
+def auto_cadence(step_s: float | None, interval_s: float, *, max_steps: int = 1000) -> int:
+    """The stop agreement's cadence for ``agreement_every_steps: auto``: the whole steps of
+    ``step_s`` seconds that fit in ``interval_s`` seconds, between 1 and ``max_steps``; 0 (no
+    proposal) while the step time is unknown."""
+    if not step_s or step_s <= 0:
+        return 0
+    return max(1, min(max_steps, int(interval_s / step_s)))
+
+
 def seconds_needed(step_s: float, save_s: float, *, agreement_every_steps: int = 1, safety: float = 1.5) -> float:
     """Seconds a stop needs before the end: the steps the agreement may still run (2k - 1 at
     cadence k) plus one save, times ``safety``."""

@@ -106,6 +106,20 @@ def _cadence_mismatch_scenario(rank):
     return "no error"
 
 
+def _adaptive_scenario(rank):
+    from resilience.agreement import StopAgreement
+
+    # Rank 0 proposes k=5 at step 3 (read at step 4 by both); rank 1 flags at step 11: carried by
+    # the round started at 15 (the first multiple of 5 after 11), read at 20.
+    cadence, results = [], []
+    with StopAgreement(every_steps=1, adaptive=True) as agreement:
+        for step in range(1, 26):
+            propose = 5 if (rank == 0 and step == 3) else 0
+            results.append(agreement.update(step, 1 if (rank == 1 and step == 11) else 0, propose_every_steps=propose))
+            cadence.append(agreement.every_steps)
+    return {"cadence": cadence, "results": results}
+
+
 def _measure(rank):
     import torch
     import torch.distributed as dist
@@ -156,6 +170,7 @@ def worker(rank: int, port: int, out_path: str) -> None:
     report["drain"] = _drain_scenario(rank)
     report["agree_now"] = _agree_now_scenario(rank)
     report["cadence_mismatch"] = _cadence_mismatch_scenario(rank)
+    report["adaptive"] = _adaptive_scenario(rank)
     report["measure"] = _measure(rank)
     dist.destroy_process_group()
     Path(out_path).write_text(json.dumps(report))
@@ -248,6 +263,16 @@ def test_cadence_mismatch_raises_on_every_rank(ranks):
     for r in range(WORLD):
         assert "equal on all ranks" in ranks[r]["cadence_mismatch"]
         assert "from 2 to 3" in ranks[r]["cadence_mismatch"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_adaptive_cadence_switches_on_every_rank_at_the_same_step(ranks):
+    for r in range(WORLD):
+        a = ranks[r]["adaptive"]
+        assert a["cadence"] == [1, 1, 1] + [5] * 22  # rank 0's proposal, read by both at step 4
+        assert _stop_step(a["results"]) == 20
+    assert ranks[0]["adaptive"] == ranks[1]["adaptive"]
 
 
 @pytest.mark.multiproc

@@ -114,6 +114,9 @@ def train() -> int:
         "step_scheduler.ckpt_every_steps=4",
         "step_scheduler.val_every_steps=5",
         "step_scheduler.preemption_signal=[USR1, TERM]",
+        # A cadence of 1, not auto: these tests place a signal at one phase of one step and check
+        # where the stop lands (auto would let a stop on these ~ms steps run several steps on).
+        "step_scheduler.agreement_every_steps=1",
         *overrides,
     ])
     torch.manual_seed(0)
