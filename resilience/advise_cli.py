@@ -47,12 +47,37 @@ def _recorded_timings(root: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int | str = "auto", median: bool = False,
-           agreement_interval_s: float = 0.1) -> dict[str, Any]:
+def _run_settings(root: Path, source: str) -> dict[str, Any]:
+    """The saved ``config.yaml``'s cadence, interval and first Slurm-sendable signal, from the
+    checkpoint ``source`` (under ``root``) whose timings are used; ``{}`` when unreadable."""
+    import yaml
+
+    directory = root if root.name == source else root / source
+    try:
+        sched = (yaml.safe_load((directory / "config.yaml").read_text()) or {}).get("step_scheduler") or {}
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return {}
+    settings: dict[str, Any] = {}
+    if sched.get("agreement_every_steps") is not None:
+        settings["agreement_every_steps"] = sched["agreement_every_steps"]
+    if isinstance(sched.get("agreement_interval_s"), (int, float)):
+        settings["agreement_interval_s"] = float(sched["agreement_interval_s"])
+    signals = sched.get("preemption_signal")
+    names = [str(x).upper().removeprefix("SIG") for x in (signals if isinstance(signals, list) else [signals]) if isinstance(x, str)]
+    sendable = [n for n in names if n in ("USR1", "USR2", "TERM")]
+    if sendable:
+        settings["signal"] = "USR1" if "USR1" in sendable else sendable[0]
+    return settings
+
+
+def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int | str | None = None, median: bool = False,
+           agreement_interval_s: float | None = None) -> dict[str, Any]:
     """The recommended Slurm lead time from the timings recorded under ``root``.
 
     ``agreement_every_steps`` is the loop's cadence k (an int, or ``auto``: the steps that fit
-    in ``agreement_interval_s`` seconds, as the loop adapts it).
+    in ``agreement_interval_s`` seconds, as the loop adapts it); by default both, and the signal
+    named in the ``#SBATCH`` line, come from the run's own ``config.yaml`` in the checkpoint
+    (else ``auto``, 0.1 s and USR1, the defaults).
 
     Uses the newest checkpoint (by ``saved_at``) that recorded both ``step_s`` and ``save_s``
     (else the newest with ``step_s``, counting a save as one step, as
@@ -85,6 +110,14 @@ def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int | str 
     if save_s is None:
         save_s = step_s
         notes.append("no save time recorded yet: a save is counted as one step (as the loop's deadline rule does)")
+    settings = _run_settings(root, source) if not median else _run_settings(root, with_step[0]["name"])
+    if agreement_every_steps is None:
+        agreement_every_steps = settings.get("agreement_every_steps", "auto")
+        if agreement_every_steps != "auto" and not (isinstance(agreement_every_steps, int) and agreement_every_steps >= 1):
+            agreement_every_steps = "auto"
+    if agreement_interval_s is None:
+        agreement_interval_s = settings.get("agreement_interval_s", 0.1)
+    signal_name = settings.get("signal", "USR1")
     if agreement_every_steps == "auto":
         agreement_every_steps = auto_cadence(step_s, agreement_interval_s) or 1
         notes.append(f"agreement_every_steps auto: k = {agreement_every_steps} for {step_s:.3f} s steps (a round every {agreement_interval_s:g} s at most, at least every step)")
@@ -93,7 +126,7 @@ def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int | str 
     return {"version": JSON_VERSION, "root": str(root), "source": source, "step_s": step_s, "save_s": save_s,
             "safety": safety, "agreement_every_steps": agreement_every_steps, "seconds_needed": needed,
             "slurm_signal_interval_s": SLURM_SIGNAL_INTERVAL_S, "lead_s": lead_s,
-            "sbatch": f"#SBATCH --signal=B:USR1@{lead_s}", "notes": notes}
+            "sbatch": f"#SBATCH --signal=B:{signal_name}@{lead_s}", "notes": notes}
 
 
 def format_advice(doc: dict[str, Any]) -> str:
@@ -119,21 +152,21 @@ def add_advise_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     """Declare ``CHECKPOINT_DIR``, ``--safety``, ``--agreement-every-steps``, ``--median``, ``--json``."""
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint root (or one checkpoint directory)")
     parser.add_argument("--safety", default="1.5", help="factor on step + save time (default 1.5, as step_scheduler.deadline_safety)")
-    parser.add_argument("--agreement-every-steps", default="auto", help="the stop agreement's cadence k in steps, or auto (step_scheduler.agreement_every_steps, default auto: the steps that fit in 0.1 s): a stop may run 2k - 1 more steps")
+    parser.add_argument("--agreement-every-steps", default=None, help="the stop agreement's cadence k in steps, or auto (step_scheduler.agreement_every_steps; default: the run's own, from its saved config.yaml, else auto): a stop may run 2k - 1 more steps")
     parser.add_argument("--median", action="store_true", help="the median over all checkpoints instead of the newest timings")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     return parser
 
 
-def _parse_advise(args: argparse.Namespace) -> tuple[Path, float, int | str]:
+def _parse_advise(args: argparse.Namespace) -> tuple[Path, float, int | str | None]:
     try:
         safety = float(args.safety)
     except ValueError:
         safety = float("nan")
     if not math.isfinite(safety) or safety <= 0:
         raise UsageError(f"--safety: expected a number > 0, e.g. 1.5, got {args.safety!r}")
-    if args.agreement_every_steps == "auto":
-        return existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR"), safety, "auto"
+    if args.agreement_every_steps in (None, "auto"):
+        return existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR"), safety, args.agreement_every_steps
     try:
         every = int(args.agreement_every_steps)
     except ValueError:

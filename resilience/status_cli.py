@@ -59,8 +59,12 @@ def _tree_size(path: Path) -> int:
 
 
 def _relative(message: str, root: Path) -> str:
-    """``message`` with ``root/`` stripped from the paths in it (shorter, and stable across roots)."""
-    return message.replace(str(root) + os.sep, "")
+    """``message`` with ``root/`` stripped from the paths in it (shorter, and stable across roots).
+    Only absolute forms of ``root`` are stripped: a relative one (``ck``) would also match
+    inside an absolute path (``/x/ck/...``) and cut it wrongly."""
+    for form in {str(root.resolve()), str(root.absolute())}:
+        message = message.replace(form + os.sep, "")
+    return message
 
 
 def _format_metric(metric: Any) -> str:

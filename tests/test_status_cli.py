@@ -395,3 +395,29 @@ def test_registering_the_commands_keeps_torch_out_of_cli_import():
     run = subprocess.run([sys.executable, "-c", "import sys, resilience.cli; print('torch' in sys.modules)"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert run.stdout.strip() == "False", run.stderr
+
+
+def test_status_of_a_relative_root_keeps_absolute_paths_in_messages_whole(damaged, capsys, monkeypatch):
+    # A .bad reason names the file by its absolute path; given the root as "ck", stripping "ck/"
+    # must not cut it out of "/.../ck/epoch_..." elsewhere in the path.
+    bad = damaged / "epoch_0_step_8" / BAD_MARKER
+    bad.write_text(f"{damaged / 'epoch_0_step_8' / 'model' / 'x.safetensors'}: checksum mismatch\n")
+    monkeypatch.chdir(damaged.parent)
+    code, out, _ = run_cli(capsys, "status", damaged.name, "--json")
+    assert code == 0
+    entry = next(e for e in json.loads(out)["checkpoints"] if e["name"] == "epoch_0_step_8")
+    assert entry["marked_bad"] == "epoch_0_step_8/model/x.safetensors: checksum mismatch"
+
+
+def test_advise_takes_cadence_and_signal_from_the_runs_saved_config(timed, capsys):
+    (timed / "epoch_0_step_6" / "config.yaml").write_text(
+        "step_scheduler:\n  agreement_every_steps: 4\n  preemption_signal: [SIGTERM]\n")
+    code, out, _ = run_cli(capsys, "advise", str(timed), "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["agreement_every_steps"] == 4
+    assert doc["seconds_needed"] == pytest.approx((7 * 0.5 + 4.0) * 1.5)
+    assert doc["sbatch"].startswith("#SBATCH --signal=B:TERM@")
+    # an explicit --agreement-every-steps still wins
+    code, out, _ = run_cli(capsys, "advise", str(timed), "--json", "--agreement-every-steps", "1")
+    assert json.loads(out)["agreement_every_steps"] == 1

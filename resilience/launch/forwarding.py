@@ -9,7 +9,7 @@ import signal
 import socket
 from collections.abc import Sequence
 
-from resilience.launch.rank_group import Log, RankGroup
+from resilience.launch.rank_group import STOP_SIGNALS, Log, RankGroup
 
 #: Signals the ``run`` command records and forwards to every live rank. USR1/USR2/TERM are
 #: what Slurm sends (``--signal``, preemption, time limit, ``scancel``); INT, HUP and QUIT are
@@ -23,9 +23,8 @@ FORWARDED_SIGNALS: tuple[signal.Signals, ...] = (
     signal.SIGHUP,
     signal.SIGQUIT,
 )
-#: Signals that request a preemption stop: recorded in the stop file and held for ranks that
-#: have not installed their handlers yet (see :meth:`RankGroup.request_stop`).
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+# STOP_SIGNALS (from rank_group) request a preemption stop: recorded in the stop file and held
+# for ranks that have not installed their handlers yet (see RankGroup.request_stop).
 
 # Keyboard signals: a terminal sends them to its whole foreground process group.
 _KEYBOARD_SIGNALS = frozenset({signal.SIGINT, signal.SIGQUIT})
@@ -137,5 +136,5 @@ def forward(group: RankGroup, signum: int, log: Log) -> None:
         sent = group.send_signal(signum)
     if sent:
         log(f"forwarded {name} to ranks {[group.ranks[local] for local in sent]}")
-    else:
+    elif not group.live_ranks():
         log(f"received {name}; no rank left running to forward it to")

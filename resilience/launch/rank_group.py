@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 
 from resilience.handshake import ready_marker, request_stop, stop_taken_marker
+from resilience.exit_codes import ExitCode
 from resilience.launch.exit_status import combine_exit_codes, describe_code
 
 #: Seconds between two looks at the ranks while waiting (also the signal-forwarding latency
@@ -19,6 +20,9 @@ from resilience.launch.exit_status import combine_exit_codes, describe_code
 POLL_INTERVAL_S = 0.05
 
 Log = Callable[[str], None]
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+"""Signals that ask the ranks to stop (Slurm's ``--signal`` choices and scancel's default)."""
+_ORDERLY_STOPS = (ExitCode.PREEMPTED, ExitCode.NO_PROGRESS, ExitCode.RESTART_LIMIT)
 
 
 def _catches(pid: int, sig: int) -> bool | None:
@@ -147,7 +151,23 @@ class RankGroup:
         held = [local for local in live if local not in ready]
         for local in held:
             self._held.setdefault(local, []).append(sig)
-        return self.send_signal(sig, ready) if ready else [], held
+        sent = []
+        for local in ready:
+            stop_sig = self._stop_signal_for(local, sig)
+            if stop_sig != sig:
+                self._log(f"rank {self.ranks[local]} does not handle {signal.Signals(sig).name} (not in its "
+                          f"preemption_signal): sending {signal.Signals(stop_sig).name}, which it does")
+            sent += self.send_signal(stop_sig, [local])
+        return sent, held
+
+    def _stop_signal_for(self, local: int, sig: int) -> int:
+        """The stop signal to send a ready rank for ``sig``: ``sig`` itself, unless the rank does
+        not handle it but handles another stop signal (every one asks for the same stop, and
+        ``sig`` would kill it). A program that handles none of them gets ``sig``, as without us."""
+        pid = self.procs[local].pid
+        if _catches(pid, sig) is not False:
+            return sig
+        return next((alt for alt in STOP_SIGNALS if _catches(pid, alt)), sig)
 
     def _release_held(self) -> None:
         for local in list(self._held):
@@ -180,8 +200,11 @@ class RankGroup:
             if failed:
                 self._failed_at = now
                 local, code = failed[0]
+                # 75/76/77 are orderly stops (the others normally follow within moments); the
+                # grace and then SIGTERM still apply, so a peer stuck in a collective cannot hang us.
+                what = "stopped with" if code in _ORDERLY_STOPS else "exited with"
                 self._log(
-                    f"rank {self.ranks[local]} exited with {describe_code(code)}; waiting up to "
+                    f"rank {self.ranks[local]} {what} {describe_code(code)}; waiting up to "
                     f"{self.failure_grace_s:g} s for the other ranks"
                 )
         elif self._term_sent_at is None:
