@@ -29,7 +29,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
 
-from resilience import ExitCode, load_config, resilient_loop
+from resilience import ConfigError, ExitCode, load_config, resilient_loop
 
 
 def build_data(seed: int, test_fraction: float) -> tuple[TensorDataset, TensorDataset]:
@@ -64,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(Path(__file__).with_name("digits.yaml")))
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. checkpoint.checkpoint_dir=/tmp/ck")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:  # exit 2: the batch script does not requeue a bad configuration
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
     extra = cfg.extra
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -90,7 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     total_steps = cfg.step_scheduler.max_steps or cfg.step_scheduler.num_epochs * len(loader)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(int(opt_cfg["warmup_steps"]), total_steps))
 
-    loop = resilient_loop(cfg, model=net, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=loader)
+    try:
+        loop = resilient_loop(cfg, model=net, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=loader)
+    except ConfigError as exc:  # e.g. checkpoint_dir is a file: every rank finds it before training
+        print(f"rank {rank}: configuration error: {exc}", file=sys.stderr)
+        if world_size > 1:
+            del net
+            gc.collect()
+            dist.destroy_process_group()
+        return int(ExitCode.CONFIG_ERROR)
     with loop:
         for step in loop:
             x, y = step.batch
