@@ -299,7 +299,7 @@ def breakdown(work: Path, model, optimizer) -> dict[str, Any]:
     """One save, one validation and one load of ours, each cold, with its phases timed (s), to
     say where the time goes: model weights (safetensors), optimizer (DCP), fsync, digests,
     fresh allocations and copies into the live objects, ..."""
-    from resilience.checkpoint import checkpointer, model_io, optim_io, reader, writer
+    from resilience.checkpoint import model_io, optim_io, parts, reader, writer
 
     dcp_io = getattr(optim_io, "dcp_io", None)
     tensors = state_tensors(model, optimizer)
@@ -315,7 +315,7 @@ def breakdown(work: Path, model, optimizer) -> dict[str, Any]:
     for phase, run in steps.items():
         totals: dict[str, float] = {}
         undo = [
-            _wrap(checkpointer, "get_model_state_dict", "capture: get_model_state_dict", totals),
+            _wrap(parts, "get_model_state_dict", "capture: get_model_state_dict", totals),
             _wrap(optim_io, "capture_optimizer", "capture: capture_optimizer", totals),
             _wrap(model_io, "save_model", "model weights: save_model (worker thread, beside the optimizer)", totals),
             _wrap(model_io, "write_safetensors", "  shards written, digested and fsync'd in one pass", totals),

@@ -10,8 +10,8 @@ from resilience.lazy import lazy_getattr
 
 _LAZY = {
     "Checkpointer": "resilience.checkpoint.checkpointer",
-    "TrainingState": "resilience.checkpoint.checkpointer",
-    "Restored": "resilience.checkpoint.checkpointer",
+    "TrainingState": "resilience.checkpoint.training_state",
+    "Restored": "resilience.checkpoint.loading",
     "CheckpointInvalid": "resilience.checkpoint.manifest",
     "CheckpointNotFound": "resilience.checkpoint.reader",
     "CheckpointCorrupted": "resilience.checkpoint.reader",

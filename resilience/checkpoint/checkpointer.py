@@ -1,81 +1,40 @@
-"""``Checkpointer``: what goes into a checkpoint of a training run, and how it comes back.
+"""``Checkpointer``: saves a training run's checkpoints and resumes from them.
 
-The public methods own the guards (enabled? distributed?); the save and resume data paths are
-:mod:`resilience.checkpoint.writer` and :mod:`resilience.checkpoint.reader`.
+The public methods own the guards (enabled? distributed? a save in flight?) and delegate: what a
+save holds is :mod:`resilience.checkpoint.parts`, writing and publishing it
+:mod:`resilience.checkpoint.writer`; choosing and verifying the checkpoint to resume from is
+:mod:`resilience.checkpoint.reader`, loading it :mod:`resilience.checkpoint.loading`.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import json
 import logging
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from resilience.checkpoint import hf_export, model_io, optim_io, retention
+from resilience.checkpoint import retention
 from resilience.checkpoint.async_writer import AsyncWriter
 from resilience.checkpoint.best import LowestVal, json_safe, select_metric
-from resilience.checkpoint.extra_state import load_extra_state, save_extra_state
-from resilience.checkpoint.layout import TRASH_PREFIX, MANIFEST, checkpoint_name, parse_checkpoint_name, rank_file
+from resilience.checkpoint.layout import MANIFEST, checkpoint_name, parse_checkpoint_name
+from resilience.checkpoint.loading import Restored, load_state
+from resilience.checkpoint.parts import checkpoint_parts, epoch_of
 from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, find_resume_checkpoint, load_verified
 from resilience.checkpoint.staging import StagingBuffers
+from resilience.checkpoint.training_state import TrainingState
 from resilience.checkpoint.writer import Part, remove_leftovers, save_checkpoint
 from resilience.config import _URL, CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
-from resilience.state.data_position import data_position_json, read_data_position
-from resilience.state.rng import capture_rng_state, load_rng_state, write_rng_state
+from resilience.state.rng import load_rng_state
 from resilience.state.step_scheduler import StepScheduler
 
-STEP_SCHEDULER = "step_scheduler.json"
-CONFIG = "config.yaml"
-EXTRA_DIR = "extra"
-COMMON = "common.json"
-"""MindSpore Transformers' per-checkpoint training info (``CommonInfo``)."""
-LOSSES = "losses.json"
-"""NeMo AutoModel's per-checkpoint losses (``train_loss``, ``val_loss``), plus the training rows."""
+__all__ = ["Checkpointer", "Restored", "TrainingState"]
 
 log = logging.getLogger("resilience.checkpoint")
-
-
-@dataclasses.dataclass
-class TrainingState:
-    """The objects a checkpoint captures. Any may be ``None`` except ``model``.
-
-    ``extra`` maps a name to any object with ``state_dict()``/``load_state_dict()`` whose state
-    holds tensors, numbers, strings and containers of these (saved by rank 0 as
-    ``extra/<name>.json`` plus ``extra/<name>.safetensors`` for its tensors).
-    """
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None = None
-    lr_scheduler: Any = None
-    dataloader: Any = None
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-    tokenizer: Any = None
-    """A Hugging Face tokenizer (anything with ``save_pretrained``): its files go next to the model."""
-
-
-@dataclasses.dataclass
-class Restored:
-    """What :meth:`Checkpointer.load` restored, plus what the loop applies later."""
-
-    directory: Path
-    step_scheduler: dict[str, int]
-    data_position: dict[str, Any] | None
-    rng_file: Path | None
-    """This rank's RNG file; applied by the loop at the point the save captured it."""
-    meta: dict[str, Any]
-    weights_only: bool = False
-    """Only the model weights were loaded (``no_load_optim``): counters, data, RNG start fresh."""
 
 
 class Checkpointer:
@@ -168,7 +127,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
         if self.run_id is None:
             self.run_id = uuid.uuid4().hex  # save_max tells this run's checkpoints by it
-        epoch = _epoch_of(scheduler)
+        epoch = epoch_of(scheduler)
         step = scheduler.global_step
         name = checkpoint_name(epoch, step)
         meta = {
@@ -234,96 +193,14 @@ class Checkpointer:
         if keep is not None:
             retention.prune(self.root, keep, run_id=self.run_id if self.config.save_max is not None else None)
 
-    def _common(self, state: TrainingState, scheduler: StepScheduler) -> dict[str, Any]:
-        """MindSpore's ``common.json``: ``epoch_num`` is the 1-based epoch of the step, ``step_num``
-        the step's 1-based index within it; ``loss_scale`` comes from a registered ``GradScaler``."""
-        epoch = _epoch_of(scheduler)
-        step_num = scheduler.batches_in_epoch
-        if epoch != scheduler.epoch:  # the step ended its epoch: it was the epoch's last batch
-            step_num = _length(state.dataloader)
-        loss_scale = 1.0
-        for obj in state.extra.values():
-            if callable(getattr(obj, "get_scale", None)):
-                loss_scale = float(obj.get_scale())
-        return {
-            "epoch_num": epoch + 1,
-            "step_num": step_num,
-            "global_step": scheduler.global_step,
-            "loss_scale": loss_scale,
-            "global_batch_size": self.global_batch_size,
-            "ckpt_status": None,
-        }
-
-    def _losses(self, step: int) -> dict[str, Any]:
-        """``losses.json``: NeMo's ``train_loss`` (the last ``loss`` logged at this step) and
-        ``val_loss`` (or every validation metric when there are several), plus ``training``:
-        every row logged since the previous checkpoint of this process (all rows are in
-        ``training.jsonl``)."""
-        rows = [row for row in self.training_rows if row.get("global_step", 0) <= step]
-        losses = [row["loss"] for row in rows if row.get("global_step") == step and "loss" in row]
-        doc: dict[str, Any] = {"global_step": step, "train_loss": losses[-1] if losses else None}
-        metrics = self.validation.get(step)
-        if metrics:
-            if len(metrics) == 1:
-                doc["val_loss"] = next(iter(metrics.values()))
-            else:
-                doc.update(metrics)
-        doc["training"] = rows
-        return json_safe(doc)
-
     def _parts(self, state: TrainingState, scheduler: StepScheduler, reason: str = "periodic", *, snapshot: bool = False) -> list[Part]:
-        """The pieces of this checkpoint, every value captured now (the parts only write).
-
-        With ``snapshot`` the model and optimizer tensors are copied into the staging buffers, so
-        the parts can run in the background while training changes the live tensors.
-        """
-        rank = self.ctx.rank
-        group = self.ctx.group if self._async is None else self._async_ctx.group
-        parts = []
-        if state.optimizer is not None and not self.config.no_save_optim:  # collective first: it must run on every rank
-            tensors, skeleton = optim_io.capture_optimizer(state.model, state.optimizer)
-            if snapshot:
-                tensors = self._buffers.copy_in(tensors, prefix="optim.")
-            parts.append(Part("optimizer", lambda d: optim_io.save_optimizer(d, (tensors, skeleton), rank=rank, group=group), collective=True))
-        parts.append(self._model_part(state, reason, snapshot=snapshot, group=group))  # every rank writes its shard
-        if rank == 0:
-            if state.lr_scheduler is not None:
-                parts.append(_json_part("lr_scheduler", optim_io.LR_SCHEDULER, optim_io.lr_scheduler_json(state.lr_scheduler)))
-            parts.append(_json_part("step_scheduler", STEP_SCHEDULER, json.dumps(scheduler.state_dict())))
-            parts.append(_json_part("config", CONFIG, yaml.safe_dump(self.run_config, sort_keys=False)))
-            for key, obj in state.extra.items():
-                extra = copy.deepcopy(obj.state_dict())
-                parts.append(Part(f"extra.{key}", lambda d, extra=extra, key=key: save_extra_state(d, key, extra)))
-            parts.append(_json_part("common", COMMON, json.dumps(self._common(state, scheduler))))
-            parts.append(_json_part("losses", LOSSES, json.dumps(self._losses(scheduler.global_step))))
-        rng = capture_rng_state()
-        parts.append(Part("rng", lambda d: _write_rng(d, rank, rng)))
-        if state.dataloader is not None:
-            position = data_position_json(state.dataloader, scheduler.batches_in_epoch)
-            parts.append(_json_part("dataloader", rank_file("dataloader", rank, ".json"), position))
-        if snapshot:
-            self._buffers.synchronize()
-        return parts
-
-    def _model_part(self, state: TrainingState, reason: str, *, snapshot: bool, group: Any) -> Part:
-        fmt, when = self.config.model_save_format, self.config.save_consolidated
-        consolidated = when == "every" or (when == "final" and reason == "final")
-        if hf_export.is_peft_model(state.model):
-            # Adapters are written now, on rank 0, even for an asynchronous save (small, and peft
-            # reads the live weights); the background part only moves them into the checkpoint.
-            held = self.root / f"{TRASH_PREFIX}adapter_{uuid.uuid4().hex[:8]}"  # cleaned up at start if left
-            written = model_io.save_model(held, state.model, rank=self.ctx.rank, tokenizer=state.tokenizer) if self.ctx.rank == 0 else []
-            return Part("model", lambda d: _move_in(held, d, written))
-        tensors = get_model_state_dict(state.model)
-        if snapshot:
-            tensors = self._buffers.copy_in(tensors, prefix="model.")
-        return Part(
-            "model",
-            lambda d: model_io.save_model(
-                d, state.model, rank=self.ctx.rank, world_size=self.ctx.world_size, group=group,
-                save_format=fmt, consolidated=consolidated, tokenizer=state.tokenizer, state_dict=tensors,
-            ),
-            collective=fmt == "torch_save",
+        """The pieces of this checkpoint (:func:`checkpoint_parts`); with ``snapshot`` its tensors
+        are copied into the staging buffers, for a save written in the background."""
+        return checkpoint_parts(
+            state, scheduler, reason=reason, config=self.config, ctx=self.ctx,
+            group=self.ctx.group if self._async is None else self._async_ctx.group,
+            root=self.root, buffers=self._buffers if snapshot else None, run_config=self.run_config,
+            global_batch_size=self.global_batch_size, training_rows=self.training_rows, validation=self.validation,
         )
 
     # -- resume -------------------------------------------------------------------------------
@@ -413,50 +290,13 @@ class Checkpointer:
         return load_verified(self.ctx, directory, lambda: self._load(directory, state))
 
     def _load(self, directory: Path, state: TrainingState) -> Restored:
-        manifest = json.loads((directory / "manifest.json").read_text())
-        meta = manifest["meta"]
-        saved_world = int(meta["world_size"])
-        resized = saved_world != self.ctx.world_size
-        if resized and self.config.world_size_change != "elastic" and not self.config.no_load_optim:
-            raise ValueError(
-                f"{directory.name} was saved with world size {saved_world}, this run has {self.ctx.world_size}: "
-                "the data position and RNG streams are per rank. Resume with the same world size, or set "
-                "checkpoint.world_size_change=elastic to re-derive them (see its documentation)"
-            )
-        model_io.load_model(directory, state.model, group=self.ctx.group)
-        if self.config.no_load_optim and self.resume_source in ("load_path", "restore_from"):
-            _reload_main_params(state.optimizer)
-            return Restored(directory=directory, step_scheduler=None, data_position=None, rng_file=None, meta=meta, weights_only=True)
-        if state.optimizer is not None and not meta.get("optimizer_saved", True):
-            log.warning("%s holds no optimizer state (saved with no_save_optim or without an optimizer): the optimizer starts fresh", directory.name)
-            _reload_main_params(state.optimizer)
-        elif state.optimizer is not None:
-            optim_io.load_optimizer(directory, state.model, state.optimizer, group=self.ctx.group)
-        if state.lr_scheduler is not None:
-            optim_io.load_lr_scheduler(directory, state.lr_scheduler)
-        for key, obj in state.extra.items():
-            obj.load_state_dict(load_extra_state(directory, key))
-        if self.ctx.rank == 0 and self.resume_source != "load_path":
-            self.lowest_val.reload()  # the best so far survives the restart
-        rank = self.ctx.rank
-        step_state = json.loads((directory / STEP_SCHEDULER).read_text())
-        self.last_saved_step = meta["global_step"]
-        if resized:  # elastic: same global batches consumed; the new ranks replay the epoch's order
-            log.warning("rank %d: resuming %s saved with world size %d under world size %d (elastic)",
-                        rank, directory.name, saved_world, self.ctx.world_size)
-            data_position = {"batches_in_epoch": step_state["batches_in_epoch"], "loader": None}
-            rng_rank = rank % saved_world
-        else:
-            data_file = directory / rank_file("dataloader", rank, ".json")
-            data_position = read_data_position(data_file) if data_file.exists() else None
-            rng_rank = rank
-        return Restored(
-            directory=directory,
-            step_scheduler=step_state,
-            data_position=data_position,
-            rng_file=directory / rank_file("rng", rng_rank, ".safetensors"),
-            meta=meta,
-        )
+        weights_only = self.config.no_load_optim and self.resume_source in ("load_path", "restore_from")
+        restored = load_state(directory, state, self.ctx, self.config, weights_only=weights_only)
+        if not weights_only:
+            if self.ctx.rank == 0 and self.resume_source != "load_path":
+                self.lowest_val.reload()  # the best so far survives the restart
+            self.last_saved_step = restored.meta["global_step"]
+        return restored
 
     @staticmethod
     def restore_rng(restored: Restored) -> None:
@@ -488,51 +328,3 @@ def _root_problem(root: Path, *, saving: bool) -> str | None:
         what = "write in" if existing == root else "create directories in"
         return f"cannot {what} {existing} ({exc.strerror or exc})"
     return None
-
-
-def _epoch_of(scheduler: StepScheduler) -> int:
-    """The epoch the last step ran in: after an epoch's last batch the scheduler already points
-    at the next epoch, but the checkpoint is named after the epoch the step ran in."""
-    return scheduler.epoch - 1 if scheduler.batches_in_epoch == 0 and scheduler.epoch > 0 else scheduler.epoch
-
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
-
-def _reload_main_params(optimizer: Any) -> None:
-    """MindSpore's hook: an optimizer with an FP32 master copy rebuilds it from the model."""
-    reload = getattr(optimizer, "reload_main_params_from_model", None)
-    if callable(reload):
-        reload()
-
-
-def _json_part(name: str, rel: str, text: str) -> Part:
-    """A part writing ``text`` (captured already) to ``rel``."""
-    return Part(name, lambda d: _write_text(d, rel, text))
-
-
-def _write_text(directory: Path, rel: str, text: str) -> list[str]:
-    path = directory / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return [rel]
-
-
-def _write_rng(directory: Path, rank: int, captured: Any) -> list[str]:
-    rel = rank_file("rng", rank, ".safetensors")
-    (directory / "rng").mkdir(exist_ok=True)
-    write_rng_state(directory / rel, captured)
-    return [rel]
-
-
-def _move_in(held: Path, directory: Path, written: list[str]) -> list[str]:
-    """Move files written ahead of the save (``held/<rel>``) into the staging directory."""
-    for rel in written:
-        (directory / rel).parent.mkdir(parents=True, exist_ok=True)
-        os.replace(held / rel, directory / rel)
-    shutil.rmtree(held, ignore_errors=True)
-    return written

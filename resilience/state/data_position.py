@@ -93,3 +93,11 @@ def resume_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterat
     for _ in range(int(position["batches_in_epoch"])):
         next(iterator)
     return iterator
+
+
+def loader_length(loader: Any) -> int | None:
+    """Batches per epoch of ``loader``; ``None`` when it has no length (an iterable dataset)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None

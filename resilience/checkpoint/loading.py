@@ -1,0 +1,101 @@
+"""Loading a checkpoint's state back into a :class:`TrainingState`, in place.
+
+The weights, optimizer, LR scheduler and extra state are loaded now; the step counters, data
+position and RNG come back as a :class:`Restored` for the loop to apply at the right moment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from resilience.checkpoint import model_io, optim_io
+from resilience.checkpoint.extra_state import load_extra_state
+from resilience.checkpoint.layout import MANIFEST, rank_file
+from resilience.checkpoint.parts import STEP_SCHEDULER
+from resilience.checkpoint.training_state import TrainingState
+from resilience.config import CheckpointConfig
+from resilience.distributed import DistContext
+from resilience.state.data_position import read_data_position
+
+log = logging.getLogger("resilience.checkpoint")
+
+
+@dataclasses.dataclass
+class Restored:
+    """What :meth:`Checkpointer.load` restored, plus what the loop applies later."""
+
+    directory: Path
+    step_scheduler: dict[str, int]
+    data_position: dict[str, Any] | None
+    rng_file: Path | None
+    """This rank's RNG file; applied by the loop at the point the save captured it."""
+    meta: dict[str, Any]
+    weights_only: bool = False
+    """Only the model weights were loaded (``no_load_optim``): counters, data, RNG start fresh."""
+
+
+def load_state(directory: Path, state: TrainingState, ctx: DistContext, config: CheckpointConfig, *, weights_only: bool) -> Restored:
+    """Load the checkpoint in ``directory`` into ``state`` (a collective over ``ctx``).
+
+    ``weights_only``: load the model weights and nothing else. A checkpoint saved without
+    optimizer state leaves the optimizer fresh (with a warning). Either way an optimizer's
+    ``reload_main_params_from_model()``, where it has one, rebuilds its FP32 master copy from the
+    loaded weights. Another world size than the saver's is refused unless
+    ``config.world_size_change`` is ``elastic`` (or ``config.no_load_optim``); then every rank
+    replays the epoch's order and takes the RNG of rank ``rank % saved_world_size``.
+
+    Raises:
+        ValueError: the checkpoint was written with a different world size.
+    """
+    manifest = json.loads((directory / MANIFEST).read_text())
+    meta = manifest["meta"]
+    saved_world = int(meta["world_size"])
+    resized = saved_world != ctx.world_size
+    if resized and config.world_size_change != "elastic" and not config.no_load_optim:
+        raise ValueError(
+            f"{directory.name} was saved with world size {saved_world}, this run has {ctx.world_size}: "
+            "the data position and RNG streams are per rank. Resume with the same world size, or set "
+            "checkpoint.world_size_change=elastic to re-derive them (see its documentation)"
+        )
+    model_io.load_model(directory, state.model, group=ctx.group)
+    if weights_only:
+        _reload_main_params(state.optimizer)
+        return Restored(directory=directory, step_scheduler=None, data_position=None, rng_file=None, meta=meta, weights_only=True)
+    if state.optimizer is not None and not meta.get("optimizer_saved", True):
+        log.warning("%s holds no optimizer state (saved with no_save_optim or without an optimizer): the optimizer starts fresh", directory.name)
+        _reload_main_params(state.optimizer)
+    elif state.optimizer is not None:
+        optim_io.load_optimizer(directory, state.model, state.optimizer, group=ctx.group)
+    if state.lr_scheduler is not None:
+        optim_io.load_lr_scheduler(directory, state.lr_scheduler)
+    for key, obj in state.extra.items():
+        obj.load_state_dict(load_extra_state(directory, key))
+    rank = ctx.rank
+    step_state = json.loads((directory / STEP_SCHEDULER).read_text())
+    if resized:  # elastic: same global batches consumed; the new ranks replay the epoch's order
+        log.warning("rank %d: resuming %s saved with world size %d under world size %d (elastic)",
+                    rank, directory.name, saved_world, ctx.world_size)
+        data_position = {"batches_in_epoch": step_state["batches_in_epoch"], "loader": None}
+        rng_rank = rank % saved_world
+    else:
+        data_file = directory / rank_file("dataloader", rank, ".json")
+        data_position = read_data_position(data_file) if data_file.exists() else None
+        rng_rank = rank
+    return Restored(
+        directory=directory,
+        step_scheduler=step_state,
+        data_position=data_position,
+        rng_file=directory / rank_file("rng", rng_rank, ".safetensors"),
+        meta=meta,
+    )
+
+
+def _reload_main_params(optimizer: Any) -> None:
+    """MindSpore's hook: an optimizer with an FP32 master copy rebuilds it from the model."""
+    reload = getattr(optimizer, "reload_main_params_from_model", None)
+    if callable(reload):
+        reload()

@@ -1,0 +1,185 @@
+"""What goes into a checkpoint: the :class:`~resilience.checkpoint.writer.Part` list of one save.
+
+Every value is captured when the list is built; the parts only write it (in the background for
+an asynchronous save), so training may change the live objects as soon as the list exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from resilience.checkpoint import hf_export, model_io, optim_io
+from resilience.checkpoint.best import json_safe
+from resilience.checkpoint.extra_state import save_extra_state
+from resilience.checkpoint.layout import TRASH_PREFIX, rank_file
+from resilience.checkpoint.staging import StagingBuffers
+from resilience.checkpoint.training_state import TrainingState
+from resilience.checkpoint.writer import Part
+from resilience.config import CheckpointConfig
+from resilience.distributed import DistContext
+from resilience.state.data_position import data_position_json, loader_length
+from resilience.state.rng import capture_rng_state, write_rng_state
+from resilience.state.step_scheduler import StepScheduler
+
+STEP_SCHEDULER = "step_scheduler.json"
+CONFIG = "config.yaml"
+COMMON = "common.json"
+"""MindSpore Transformers' per-checkpoint training info (``CommonInfo``)."""
+LOSSES = "losses.json"
+"""NeMo AutoModel's per-checkpoint losses (``train_loss``, ``val_loss``), plus the training rows."""
+
+
+def checkpoint_parts(
+    state: TrainingState,
+    scheduler: StepScheduler,
+    *,
+    reason: str,
+    config: CheckpointConfig,
+    ctx: DistContext,
+    group: Any,
+    root: Path,
+    buffers: StagingBuffers | None,
+    run_config: dict[str, Any],
+    global_batch_size: int | None,
+    training_rows: list[dict[str, Any]],
+    validation: dict[int, dict[str, Any]],
+) -> list[Part]:
+    """The pieces of this checkpoint on this rank, every value captured now (the parts only write).
+
+    ``group`` is the one the collective parts use (the background writer's for an asynchronous
+    save). With ``buffers`` (a snapshot) the model and optimizer tensors are copied into them, so
+    the parts can run in the background while training changes the live tensors. Rank 0 adds
+    the run's records: ``config.yaml``, counters, ``common.json`` and ``losses.json`` (from
+    ``training_rows`` and ``validation``).
+    """
+    rank = ctx.rank
+    parts = []
+    if state.optimizer is not None and not config.no_save_optim:  # collective first: it must run on every rank
+        tensors, skeleton = optim_io.capture_optimizer(state.model, state.optimizer)
+        if buffers is not None:
+            tensors = buffers.copy_in(tensors, prefix="optim.")
+        parts.append(Part("optimizer", lambda d: optim_io.save_optimizer(d, (tensors, skeleton), rank=rank, group=group), collective=True))
+    parts.append(_model_part(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers))  # every rank writes its shard
+    if rank == 0:
+        if state.lr_scheduler is not None:
+            parts.append(_json_part("lr_scheduler", optim_io.LR_SCHEDULER, optim_io.lr_scheduler_json(state.lr_scheduler)))
+        parts.append(_json_part("step_scheduler", STEP_SCHEDULER, json.dumps(scheduler.state_dict())))
+        parts.append(_json_part("config", CONFIG, yaml.safe_dump(run_config, sort_keys=False)))
+        for key, obj in state.extra.items():
+            extra = copy.deepcopy(obj.state_dict())
+            parts.append(Part(f"extra.{key}", lambda d, extra=extra, key=key: save_extra_state(d, key, extra)))
+        parts.append(_json_part("common", COMMON, json.dumps(_common(state, scheduler, global_batch_size))))
+        parts.append(_json_part("losses", LOSSES, json.dumps(_losses(scheduler.global_step, training_rows, validation))))
+    rng = capture_rng_state()
+    parts.append(Part("rng", lambda d: _write_rng(d, rank, rng)))
+    if state.dataloader is not None:
+        position = data_position_json(state.dataloader, scheduler.batches_in_epoch)
+        parts.append(_json_part("dataloader", rank_file("dataloader", rank, ".json"), position))
+    if buffers is not None:
+        buffers.synchronize()
+    return parts
+
+
+def epoch_of(scheduler: StepScheduler) -> int:
+    """The epoch the last step ran in: after an epoch's last batch the scheduler already points
+    at the next epoch, but the checkpoint is named after the epoch the step ran in."""
+    return scheduler.epoch - 1 if scheduler.batches_in_epoch == 0 and scheduler.epoch > 0 else scheduler.epoch
+
+
+def _model_part(state: TrainingState, reason: str, *, config: CheckpointConfig, ctx: DistContext, group: Any,
+                root: Path, buffers: StagingBuffers | None) -> Part:
+    fmt, when = config.model_save_format, config.save_consolidated
+    consolidated = when == "every" or (when == "final" and reason == "final")
+    if hf_export.is_peft_model(state.model):
+        # Adapters are written now, on rank 0, even for an asynchronous save (small, and peft
+        # reads the live weights); the background part only moves them into the checkpoint.
+        held = root / f"{TRASH_PREFIX}adapter_{uuid.uuid4().hex[:8]}"  # cleaned up at start if left
+        written = model_io.save_model(held, state.model, rank=ctx.rank, tokenizer=state.tokenizer) if ctx.rank == 0 else []
+        return Part("model", lambda d: _move_in(held, d, written))
+    tensors = get_model_state_dict(state.model)
+    if buffers is not None:
+        tensors = buffers.copy_in(tensors, prefix="model.")
+    return Part(
+        "model",
+        lambda d: model_io.save_model(
+            d, state.model, rank=ctx.rank, world_size=ctx.world_size, group=group,
+            save_format=fmt, consolidated=consolidated, tokenizer=state.tokenizer, state_dict=tensors,
+        ),
+        collective=fmt == "torch_save",
+    )
+
+
+def _common(state: TrainingState, scheduler: StepScheduler, global_batch_size: int | None) -> dict[str, Any]:
+    """MindSpore's ``common.json``: ``epoch_num`` is the 1-based epoch of the step, ``step_num``
+    the step's 1-based index within it; ``loss_scale`` comes from a registered ``GradScaler``."""
+    epoch = epoch_of(scheduler)
+    step_num = scheduler.batches_in_epoch
+    if epoch != scheduler.epoch:  # the step ended its epoch: it was the epoch's last batch
+        step_num = loader_length(state.dataloader)
+    loss_scale = 1.0
+    for obj in state.extra.values():
+        if callable(getattr(obj, "get_scale", None)):
+            loss_scale = float(obj.get_scale())
+    return {
+        "epoch_num": epoch + 1,
+        "step_num": step_num,
+        "global_step": scheduler.global_step,
+        "loss_scale": loss_scale,
+        "global_batch_size": global_batch_size,
+        "ckpt_status": None,
+    }
+
+
+def _losses(step: int, training_rows: list[dict[str, Any]], validation: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """``losses.json``: NeMo's ``train_loss`` (the last ``loss`` logged at this step) and
+    ``val_loss`` (or every validation metric when there are several), plus ``training``:
+    every row logged since the previous checkpoint of this process (all rows are in
+    ``training.jsonl``)."""
+    rows = [row for row in training_rows if row.get("global_step", 0) <= step]
+    losses = [row["loss"] for row in rows if row.get("global_step") == step and "loss" in row]
+    doc: dict[str, Any] = {"global_step": step, "train_loss": losses[-1] if losses else None}
+    metrics = validation.get(step)
+    if metrics:
+        if len(metrics) == 1:
+            doc["val_loss"] = next(iter(metrics.values()))
+        else:
+            doc.update(metrics)
+    doc["training"] = rows
+    return json_safe(doc)
+
+
+def _json_part(name: str, rel: str, text: str) -> Part:
+    """A part writing ``text`` (captured already) to ``rel``."""
+    return Part(name, lambda d: _write_text(d, rel, text))
+
+
+def _write_text(directory: Path, rel: str, text: str) -> list[str]:
+    path = directory / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return [rel]
+
+
+def _write_rng(directory: Path, rank: int, captured: Any) -> list[str]:
+    rel = rank_file("rng", rank, ".safetensors")
+    (directory / "rng").mkdir(exist_ok=True)
+    write_rng_state(directory / rel, captured)
+    return [rel]
+
+
+def _move_in(held: Path, directory: Path, written: list[str]) -> list[str]:
+    """Move files written ahead of the save (``held/<rel>``) into the staging directory."""
+    for rel in written:
+        (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(held / rel, directory / rel)
+    shutil.rmtree(held, ignore_errors=True)
+    return written
