@@ -21,7 +21,6 @@ import gc
 import json
 import logging
 import os
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -32,16 +31,17 @@ from resilience.agreement import StopAgreement
 from resilience.checkpoint import Checkpointer, TrainingState
 from resilience.checkpoint.best import VALIDATION_LOG, append_jsonl
 from resilience.config import ResilienceConfig, config_from_dict
+from resilience.deadline import Deadline
 from resilience.distributed import DistContext
 from resilience.exit_codes import ExitCode
 from resilience.signals import SignalRecorder
 from resilience.handshake import mark_ready_and_check_stop
-from resilience.slurm import SlurmJob, run_id_from_env, signal_reach_warning
+from resilience.slurm import run_id_from_env, signal_reach_warning
 from resilience.mindspore_compat import rescale_for_global_batch_size
-from resilience.state.data_position import resume_iterator, set_epoch
+from resilience.state.data_position import epoch_iterator, loader_length, set_epoch
 from resilience.state.step_scheduler import StepScheduler
 from resilience import progress_guard
-from resilience.timing import RunTimer, auto_cadence, lead_time_warning, must_stop
+from resilience.timing import RunTimer, auto_cadence
 
 log = logging.getLogger("resilience")
 
@@ -87,10 +87,9 @@ class ResilientLoop:
         self._agreement: StopAgreement | None = None
         self._pending: Any = lambda: 0  # this rank's stop flag (signals recorded or a stop file)
         self._stop_agreed_in_step = False  # should_stop() agreed a stop inside a step's body
-        self._end_time: float | None = None
-        self._lead_time_warned = False
         self.timer = RunTimer()
         """Moving averages of step and save time (seconds), recorded in each checkpoint."""
+        self._deadline = Deadline(config, self.ctx.rank, self.timer)
 
     # -- public --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
@@ -166,10 +165,11 @@ class ResilientLoop:
                 self._agreement = agreement
                 try:
                     restored = self._resume()
-                    if self._guard_no_progress():
+                    if self._no_progress():
+                        self.exit_code = ExitCode.NO_PROGRESS
                         return
-                    self._end_time = self._job_end_time()
-                    self._warn_lead_time(restored.meta.get("timings", {}) if restored else {})
+                    self._deadline.start()
+                    self._deadline.warn_lead_time(restored.meta.get("timings", {}) if restored else {}, self._cadence())
                     # A signal during model building or resume loading: stop before the first step.
                     # Nothing new to save: LATEST (if any) already holds this state.
                     if agreement.agree_now(self._pending()):
@@ -199,7 +199,7 @@ class ResilientLoop:
         position = restored.data_position if restored else None
         while not scheduler.done:
             set_epoch(loader, scheduler.epoch)
-            iterator = self._epoch_iterator(loader, position)
+            iterator = epoch_iterator(loader, position)
             if restored is not None:
                 # The save captured the RNG after this epoch's iterator was created (creating it
                 # draws from the global RNG), so restore it only now.
@@ -246,51 +246,20 @@ class ResilientLoop:
         scheduler = self.scheduler
         if scheduler.epoch + 1 < scheduler.num_epochs:
             return False
-        length = _safe_len(loader)
+        length = loader_length(loader)
         return length is not None and scheduler.batches_in_epoch >= length
 
-    def _guard_no_progress(self) -> bool:
-        """The requeue-loop guard (rank 0 decides, every rank learns): True when this run must end
-        with NO_PROGRESS because the attempts before it saved nothing new."""
-        limit = self.config.checkpoint.max_restarts_without_progress
-        if not (self.config.checkpoint.enabled and self.config.checkpoint.enable_save) or limit is None:
+    def _no_progress(self) -> bool:
+        """The requeue-loop guard (see :mod:`resilience.progress_guard`): True when this run must
+        end with NO_PROGRESS because the attempts before it saved nothing new."""
+        ckpt_cfg = self.config.checkpoint
+        if not (ckpt_cfg.enabled and ckpt_cfg.enable_save):
             return False
-        stop = None
-        if self.ctx.rank == 0:
-            name = self.resumed_from.name if self.resumed_from is not None else None
-            starts = progress_guard.count_start(self.checkpointer.root, name)
-            stop = starts if progress_guard.no_progress(starts, limit) else None
-        stop = self.ctx.broadcast_object(stop)
-        if stop is None:
-            return False
-        self.exit_code = ExitCode.NO_PROGRESS
-        log.error(
-            "rank %d: this is start %d in a row from %s: the %d attempts before it saved no new checkpoint; "
-            "exiting with %d (NO_PROGRESS, not requeued). Fix the cause (a signal before the first step each "
-            "time, a wall time too short to reach a checkpoint), then delete %s to try again",
-            self.ctx.rank, stop, self.resumed_from.name if self.resumed_from else "a fresh start", stop - 1,
-            int(ExitCode.NO_PROGRESS), self.checkpointer.root / progress_guard.STARTS_FILE,
-        )
-        return True
-
-    def _job_end_time(self) -> float | None:
-        """The job's end (Unix time, rank 0 only): ``wall_time_s`` from now, else Slurm's EndTime."""
-        sched_cfg = self.config.step_scheduler
-        if not sched_cfg.deadline_stop or self.ctx.rank != 0:
-            return None
-        if sched_cfg.wall_time_s is not None:
-            return time.time() + sched_cfg.wall_time_s
-        job = SlurmJob.from_env()
-        return job.end_time() if job is not None else None
+        return progress_guard.must_end(self.ctx, self.checkpointer.root, self.resumed_from, ckpt_cfg.max_restarts_without_progress)
 
     def _deadline_flag(self) -> int:
-        """STOP_DEADLINE on rank 0 once the time left no longer covers a stop (see resilience.timing)."""
-        if self._end_time is None:
-            return 0
-        sched_cfg = self.config.step_scheduler
-        late = must_stop(time.time(), self._end_time, self.timer.step_s, self.timer.save_s,
-                         agreement_every_steps=self._cadence(), safety=sched_cfg.deadline_safety)
-        return STOP_DEADLINE if late else 0
+        """STOP_DEADLINE on rank 0 once the time left no longer covers a stop (see resilience.deadline)."""
+        return STOP_DEADLINE if self._deadline.must_stop(self._cadence()) else 0
 
     @property
     def _auto_cadence(self) -> bool:
@@ -308,22 +277,6 @@ class ResilientLoop:
         if not self._auto_cadence or self.ctx.rank != 0:
             return 0
         return auto_cadence(self.timer.step_s, self.config.step_scheduler.agreement_interval_s)
-
-    def _warn_lead_time(self, timings: dict[str, Any]) -> None:
-        """Warn (rank 0, once) when the Slurm signal's lead time cannot cover a stop, judged from
-        the timings of the resumed checkpoint now and from this run's own after its first save."""
-        if self.ctx.rank != 0 or self._lead_time_warned:
-            return
-        lead = os.environ.get("RESILIENCE_SIGNAL_LEAD_S")
-        if lead is None and SlurmJob.from_env() is None:
-            return
-        lead_s = float(lead) if lead is not None else float(self.config.slurm.signal_lead_s)
-        sched_cfg = self.config.step_scheduler
-        warning = lead_time_warning(lead_s, timings.get("step_s"), timings.get("save_s"),
-                                    agreement_every_steps=self._cadence(), safety=sched_cfg.deadline_safety)
-        if warning:
-            log.warning(warning)
-            self._lead_time_warned = True
 
     def _stop(self, step: int, when: str, *, save: bool) -> None:
         """Every rank stops at ``step``: save it (unless already saved), publish, exit PREEMPTED."""
@@ -375,14 +328,6 @@ class ResilientLoop:
         log.info("rank %d: resumed from %s (global step %d)", self.ctx.rank, directory.name, self.scheduler.global_step)
         return restored
 
-    def _epoch_iterator(self, loader: Any, position: dict[str, Any] | None) -> Iterator:
-        if position is not None:
-            length = _safe_len(loader)
-            if length is not None and position["batches_in_epoch"] >= length:
-                iter(loader)  # the original run created this epoch's iterator too (it draws RNG)
-                return iter(())
-        return resume_iterator(loader, position)
-
     def _save(self, reason: str) -> None:
         if self.checkpointer.run_id is None:
             self.checkpointer.run_id = uuid.uuid4().hex
@@ -390,7 +335,7 @@ class ResilientLoop:
         started = self.timer.clock()
         self.checkpointer.save(self.state, self.scheduler, reason=reason)
         self.timer.record_save(self.timer.clock() - started)
-        self._warn_lead_time(self.timer.as_dict())
+        self._deadline.warn_lead_time(self.timer.as_dict(), self._cadence())
 
     def _truncate_log(self, global_step: int) -> None:
         """Drop log rows of steps after the resumed one (they were redone after a crash)."""
@@ -402,13 +347,6 @@ class ResilientLoop:
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(r + "\n" for r in rows))
             os.replace(tmp, path)
-
-
-def _safe_len(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
 
 
 def resilient_loop(

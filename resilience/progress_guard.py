@@ -10,10 +10,43 @@ Slurm templates never requeue. A new checkpoint resets the count; finishing remo
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from resilience.exit_codes import ExitCode
+
+if TYPE_CHECKING:  # torch-free at run time
+    from resilience.distributed import DistContext
+
+log = logging.getLogger("resilience")
 
 STARTS_FILE = ".starts.json"
+
+
+def must_end(ctx: DistContext, root: Path, resumed_from: Path | None, limit: int | None) -> bool:
+    """The guard at a run's start, a collective over ``ctx``: rank 0 counts this start from
+    ``resumed_from`` (``None``: a fresh start) and every rank learns whether the ``limit``
+    attempts before it saved nothing new. True (with the error logged) when this run must end
+    with ``ExitCode.NO_PROGRESS``; always False when ``limit`` is None."""
+    if limit is None:
+        return False
+    stop = None
+    if ctx.rank == 0:
+        starts = count_start(root, resumed_from.name if resumed_from is not None else None)
+        stop = starts if no_progress(starts, limit) else None
+    stop = ctx.broadcast_object(stop)
+    if stop is None:
+        return False
+    log.error(
+        "rank %d: this is start %d in a row from %s: the %d attempts before it saved no new checkpoint; "
+        "exiting with %d (NO_PROGRESS, not requeued). Fix the cause (a signal before the first step each "
+        "time, a wall time too short to reach a checkpoint), then delete %s to try again",
+        ctx.rank, stop, resumed_from.name if resumed_from else "a fresh start", stop - 1,
+        int(ExitCode.NO_PROGRESS), root / STARTS_FILE,
+    )
+    return True
 
 
 def count_start(root: Path, resume_point: str | None) -> int:

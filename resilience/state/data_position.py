@@ -95,6 +95,20 @@ def resume_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterat
     return iterator
 
 
+def epoch_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterator:
+    """This epoch's batches from ``position`` on (see :func:`resume_iterator`).
+
+    At a position at the epoch's end no batch is left, but the loader's iterator is still
+    created: the run that saved created it too, and creating it draws from the global RNG.
+    """
+    if position is not None:
+        length = loader_length(loader)
+        if length is not None and position["batches_in_epoch"] >= length:
+            iter(loader)
+            return iter(())
+    return resume_iterator(loader, position)
+
+
 def loader_length(loader: Any) -> int | None:
     """Batches per epoch of ``loader``; ``None`` when it has no length (an iterable dataset)."""
     try:
