@@ -3,18 +3,24 @@
 A loader with ``state_dict()``/``load_state_dict()`` (torchdata's ``StatefulDataLoader``) saves
 its own state as JSON. Any other iterable is resumed by replaying the epoch's sampler and
 skipping the batches already consumed, which is exact for map-style datasets and costs one pass
-over those batches.
+over those batches. For the replay to draw the same order, the torch RNG state from just before
+the epoch's iterator was created is saved too (``epoch_rng``) and set again before the replayed
+``iter()``: a shuffling sampler without ``set_epoch`` (``DataLoader(shuffle=True)``) draws its
+seed from the global RNG there, which by a later epoch training has moved on.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
 _TENSOR = "__tensor__"
+# loader -> the torch RNG state just before its current epoch's iterator was created
+_EPOCH_RNG: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 def _encode(obj: Any) -> Any:
@@ -61,7 +67,9 @@ def data_position_json(loader: Any, batches_in_epoch: int) -> str:
     Raises:
         TypeError: the loader's state holds something JSON cannot represent.
     """
-    state = {"batches_in_epoch": batches_in_epoch, "loader": _encode(loader.state_dict()) if is_stateful(loader) else None}
+    state: dict[str, Any] = {"batches_in_epoch": batches_in_epoch, "loader": _encode(loader.state_dict()) if is_stateful(loader) else None}
+    if not is_stateful(loader) and _epoch_rng(loader) is not None:
+        state["epoch_rng"] = _encode(_epoch_rng(loader))
     try:
         return json.dumps(state)
     except TypeError as exc:
@@ -85,11 +93,13 @@ def resume_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterat
     ``iter()``; otherwise the first ``batches_in_epoch`` batches are drawn and dropped.
     """
     if position is None:
-        return iter(loader)
+        return _iter(loader)
     if is_stateful(loader) and position.get("loader") is not None:
         loader.load_state_dict(_decode(position["loader"]))
         return iter(loader)
-    iterator = iter(loader)
+    if position.get("epoch_rng") is not None:
+        torch.set_rng_state(_decode(position["epoch_rng"]))  # the draws of the original iter()
+    iterator = _iter(loader)
     for _ in range(int(position["batches_in_epoch"])):
         next(iterator)
     return iterator
@@ -104,9 +114,28 @@ def epoch_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterato
     if position is not None:
         length = loader_length(loader)
         if length is not None and position["batches_in_epoch"] >= length:
-            iter(loader)
+            if position.get("epoch_rng") is not None:
+                torch.set_rng_state(_decode(position["epoch_rng"]))
+            _iter(loader)
             return iter(())
     return resume_iterator(loader, position)
+
+
+def _iter(loader: Iterable) -> Iterator:
+    """``iter(loader)``, remembering the torch RNG state it started from (see the module doc)."""
+    if not is_stateful(loader):
+        try:
+            _EPOCH_RNG[loader] = torch.get_rng_state()
+        except TypeError:  # not weak-referenceable (a list of batches): nothing to shuffle
+            pass
+    return iter(loader)
+
+
+def _epoch_rng(loader: Any) -> torch.Tensor | None:
+    try:
+        return _EPOCH_RNG.get(loader)
+    except TypeError:
+        return None
 
 
 def loader_length(loader: Any) -> int | None:

@@ -1,0 +1,49 @@
+"""A plain shuffled ``DataLoader`` (no ``set_epoch``, not stateful) resumes in a later epoch with
+the same batch order as an uninterrupted run: the replay re-creates the epoch's iterator from the
+RNG state the original one started from."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from resilience import ExitCode, resilient_loop
+
+
+def run(root, stop_at=None) -> tuple[int, dict[int, list[int]], dict[int, float]]:
+    """A fresh 'process': seed, build, train (dropout moves the RNG); returns the exit code and
+    the sample indices and loss seen at each step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True)
+    cfg = {"step_scheduler": {"num_epochs": 3, "preemption_signal": "SIGTERM"}, "checkpoint": {"checkpoint_dir": str(root)}}
+    seen, losses = {}, {}
+    loop = resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=loader)
+    with loop:
+        for step in loop:
+            (idx,) = step.batch
+            seen[step.global_step] = idx.tolist()
+            loss = model(idx.float().unsqueeze(1) / 40).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses[step.global_step] = loss.item()
+            if step.global_step == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # recorded by the loop: it stops after this step
+    return loop.exit_code, seen, losses
+
+
+def test_a_plain_shuffled_dataloader_resumes_in_a_later_epoch_with_the_same_order(tmp_path):
+    code, reference, ref_losses = run(tmp_path / "reference")
+    assert code == ExitCode.DONE and len(reference) == 30
+    code, first, _ = run(tmp_path / "ck", stop_at=14)  # epoch 1, 4 batches in
+    assert code == ExitCode.PREEMPTED and max(first) == 14
+    code, resumed, losses = run(tmp_path / "ck")
+    assert code == ExitCode.DONE and min(resumed) == 15
+    assert {s: reference[s] for s in resumed} == resumed  # same samples in the same order
+    assert {s: ref_losses[s] for s in losses} == losses  # and the same training (bitwise)
+    assert sorted(i for s in range(11, 21) for i in (first | resumed)[s]) == list(range(40))  # epoch 1 whole
