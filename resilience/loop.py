@@ -285,8 +285,14 @@ class ResilientLoop:
         self.checkpointer.wait()  # an asynchronous save must be published before we exit
         self.stop_step = step
         self.exit_code = ExitCode.PREEMPTED
-        log.warning("rank %d: stop %s at step %d (agreement every %d step(s)); checkpoint published, exiting for requeue",
-                    self.ctx.rank, when, step, self._cadence())
+        if self.checkpointer.last_saved_step == step:
+            saved = "checkpoint published"
+        elif self.resumed_from is not None:
+            saved = f"nothing new to save ({self.resumed_from.name} holds this state)"
+        else:
+            saved = "no checkpoint yet (nothing trained)"
+        log.warning("rank %d: stop %s at step %d (agreement every %d step(s)); %s, exiting for requeue",
+                    self.ctx.rank, when, step, self._cadence(), saved)
 
     def should_stop(self) -> bool:
         """A collective check for long phases inside a step's body (evaluation): True when a stop

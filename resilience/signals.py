@@ -45,7 +45,9 @@ def parse_preemption_signal(
         TypeError: the spec or a list item has the wrong type (``bool``, ``float``, ``bytes``,
             ``dict``, a nested list, ...).
         ValueError: an empty list; a name or number that is not a signal on this platform;
-            ``0`` or a negative number; an uncatchable signal (``SIGKILL``, ``SIGSTOP``);
+            ``0`` or a negative number; an uncatchable signal (``SIGKILL``, ``SIGSTOP``); a fault or
+            bookkeeping signal (``SIGSEGV``, ``SIGBUS``, ``SIGFPE``, ``SIGILL``, ``SIGABRT``,
+            ``SIGCHLD``, ``SIGPIPE``, ``SIGTRAP``);
             two items naming the same signal (``["TERM", 15]``).
 
     Every message starts with ``key`` and lists the accepted forms.
@@ -97,9 +99,19 @@ def _from_number(number: int, item: Any, key: str) -> signal.Signals:
     return _catchable(sig, item, key)
 
 
+# Signals a process sends itself on a fault or uses for its own bookkeeping: recording one
+# instead of letting it act would hide a crash (SIGSEGV, SIGABRT from torch's fatal errors) or
+# stop training whenever a child exits (SIGCHLD).
+_NOT_A_STOP_REQUEST = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,
+                                 signal.SIGCHLD, signal.SIGPIPE, signal.SIGTRAP})
+
+
 def _catchable(sig: signal.Signals, item: Any, key: str) -> signal.Signals:
     if sig in _UNCATCHABLE:
         raise ValueError(f"{key}: {item!r} is {sig.name}, which cannot be caught; {_ACCEPTED}")
+    if sig in _NOT_A_STOP_REQUEST:
+        raise ValueError(f"{key}: {item!r} is {sig.name}, a fault or bookkeeping signal, not a stop request; "
+                         f"use the one Slurm sends (--signal=B:USR1@N: USR1; scancel's default: TERM); {_ACCEPTED}")
     return sig
 
 
