@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import sys
@@ -270,7 +271,33 @@ def inspect_root(root: Path, *, deep: bool = False) -> dict[str, Any]:
     resume = _resume_choice(root, entries, pointers, deep)
     for entry in entries:
         entry.pop("checked_state")
-    return {"version": JSON_VERSION, "root": str(root), "deep": deep, "checkpoints": entries, "pointers": pointers, "resume": resume}
+    return {"version": JSON_VERSION, "root": str(root), "deep": deep, "checkpoints": entries, "pointers": pointers, "resume": resume,
+            "restart_guard": _restart_guard(root, resume["checkpoint"])}
+
+
+def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:
+    """The requeue-loop guard's count (``.starts.json``, :mod:`resilience.progress_guard`) and
+    whether the next start from ``pick`` would exit 76; ``None`` when nothing is counted."""
+    import yaml
+
+    from resilience.progress_guard import STARTS_FILE, no_progress
+
+    try:
+        doc = json.loads((root / STARTS_FILE).read_text())
+        starts, point = int(doc["starts"]), doc.get("resume_point")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    limit: int | None = 3  # checkpoint.max_restarts_without_progress's default
+    if pick is not None:
+        try:
+            ck = (yaml.safe_load((root / pick / "config.yaml").read_text()) or {}).get("checkpoint") or {}
+            if "max_restarts_without_progress" in ck:
+                limit = ck["max_restarts_without_progress"]
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            pass
+    same = point == pick
+    return {"file": str(root / STARTS_FILE), "resume_point": point, "starts": starts, "limit": limit,
+            "next_start_exits_no_progress": bool(same and isinstance(limit, int) and no_progress(starts + 1, limit))}
 
 
 def format_status(doc: dict[str, Any]) -> str:
@@ -302,6 +329,12 @@ def format_status(doc: dict[str, Any]) -> str:
             lines.append(f"  {name.ljust(width)} -> {target} ({p['form']})" + (f": {p['error']}" if p["error"] else ""))
     resume = doc["resume"]
     lines += ["", f"Resume would pick: {resume['checkpoint'] or 'fresh start'}", f"  why: {resume['reason']}"]
+    guard = doc.get("restart_guard")
+    if guard is not None:
+        lines.append(f"  starts in a row from {guard['resume_point'] or 'a fresh start'}: {guard['starts']} "
+                     f"(checkpoint.max_restarts_without_progress: {guard['limit']})")
+        if guard["next_start_exits_no_progress"]:
+            lines.append(f"  the next start exits 76 (NO_PROGRESS) at once: fix the cause, then delete {guard['file']}")
     return "\n".join(lines)
 
 

@@ -421,3 +421,18 @@ def test_advise_takes_cadence_and_signal_from_the_runs_saved_config(timed, capsy
     # an explicit --agreement-every-steps still wins
     code, out, _ = run_cli(capsys, "advise", str(timed), "--json", "--agreement-every-steps", "1")
     assert json.loads(out)["agreement_every_steps"] == 1
+
+
+def test_status_shows_the_restart_guard_and_when_the_next_start_would_exit_76(damaged, capsys):
+    code, out, _ = run_cli(capsys, "status", str(damaged), "--json")
+    pick = json.loads(out)["resume"]["checkpoint"]
+    assert json.loads(out)["restart_guard"] is None  # nothing counted yet
+    (damaged / ".starts.json").write_text(json.dumps({"resume_point": pick, "starts": 1}))
+    code, out, _ = run_cli(capsys, "status", str(damaged))
+    assert f"starts in a row from {pick}: 1" in out and "exits 76" not in out
+    (damaged / ".starts.json").write_text(json.dumps({"resume_point": pick, "starts": 3}))
+    code, out, _ = run_cli(capsys, "status", str(damaged), "--json")
+    guard = json.loads(out)["restart_guard"]
+    assert guard["starts"] == 3 and guard["limit"] == 3 and guard["next_start_exits_no_progress"] is True
+    code, out, _ = run_cli(capsys, "status", str(damaged))
+    assert "the next start exits 76 (NO_PROGRESS) at once" in out and ".starts.json" in out
