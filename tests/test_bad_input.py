@@ -202,6 +202,7 @@ YAML_FILES = [
     ("not-utf8", b"\xff\xfe\x00step_scheduler: {}\n", ["not UTF-8 text", "accepted: a UTF-8 YAML file"]),
     ("tab-indented", b"step_scheduler:\n\tnum_epochs: 2\n", ["invalid YAML", "line 2"]),
     ("unclosed-quote", b"checkpoint:\n  checkpoint_dir: 'x\n", ["invalid YAML"]),
+    ("duplicate-key", b"step_scheduler:\n  num_epochs: 2\n  num_epochs: 3\n", ["key 'num_epochs' appears twice", "line 2 and line 3"]),
     ("top-level-scalar", b"42\n", ["the top level must be a mapping of sections"]),
     ("missing-file", None, ["cannot read it", "No such file"]),
     ("a-directory", "dir", ["cannot read it"]),

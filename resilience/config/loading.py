@@ -94,7 +94,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         except UnicodeDecodeError as exc:  # a ValueError, not an OSError: binary or another encoding
             raise ConfigError(f"config file {path}: not UTF-8 text ({exc.reason} at byte {exc.start}); accepted: a UTF-8 YAML file") from exc
         try:
-            loaded = yaml.safe_load(text)
+            loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path}: invalid YAML: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
@@ -102,3 +102,23 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         data = loaded or {}
     apply_overrides(data, overrides)
     return config_from_dict(data)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping: PyYAML would keep the
+    last value silently, so a setting edited in one place and left in another is lost."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                earlier = seen.get(key)
+            except TypeError:  # an unhashable key: let PyYAML report it
+                continue
+            if earlier is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (line {earlier + 1} and line "
+                    f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
