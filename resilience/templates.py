@@ -42,6 +42,7 @@ import functools
 import re
 import shlex
 import sys
+from pathlib import Path
 from collections.abc import Sequence
 from importlib import resources
 
@@ -227,6 +228,11 @@ def run(args: argparse.Namespace) -> int:
             slurm = dataclasses.replace(config.slurm, script_args=[*config.slurm.script_args, *training])
             config = dataclasses.replace(config, slurm=slurm)
         text = render_slurm(config, config_path=args.config)
+        if not _has_slurm_section(args.config) and not any(o.lstrip("-").startswith("slurm.") for o in args.overrides):
+            print(f"resilience template: {args.config} has no slurm: section; rendered with the defaults "
+                  f"(slurm.script: {config.slurm.script}, slurm.script_args: {config.slurm.script_args}, "
+                  f"slurm.nproc_per_node: {config.slurm.nproc_per_node}). Set them, e.g. script_args: [--config, {args.config}]",
+                  file=sys.stderr)
     except ConfigError as error:
         print(f"resilience template: {error}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
@@ -240,6 +246,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _has_slurm_section(path: str) -> bool:
+    """Whether the YAML at ``path`` (already loaded once by :func:`load_config`) has a ``slurm`` key."""
+    import yaml
+
+    try:
+        return "slurm" in (yaml.safe_load(Path(path).read_text()) or {})
+    except (OSError, ValueError, TypeError, yaml.YAMLError):
+        return True  # load_config read it: nothing to warn about here
 
 
 def main(argv: Sequence[str] | None = None) -> int:

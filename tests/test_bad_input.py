@@ -228,7 +228,7 @@ def test_an_unreadable_yaml_file_is_a_config_error_naming_the_file(tmp_path, con
 RUN_ARGS = [
     ("no-arguments", [], ["the following arguments are required: --nproc-per-node"]),
     ("no-program", ["--nproc-per-node", "1"], ["the following arguments are required: script.py|module|program"]),
-    ("nproc-not-a-number", ["--nproc-per-node", "abc", "{marker}"], ["argument --nproc-per-node/--nproc_per_node: invalid int value: 'abc'"]),
+    ("nproc-not-a-number", ["--nproc-per-node", "abc", "{marker}"], ["argument --nproc-per-node/--nproc_per_node/-n: invalid int value: 'abc'"]),
     ("nproc-zero", ["--nproc-per-node", "0", "{marker}"], ["nproc_per_node must be an int >= 1, got 0"]),
     ("node-rank-too-large", ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "{marker}"], ["node_rank must be in 0..nnodes-1 = 0..1, got 2"]),
     ("negative-failure-grace", ["--nproc-per-node", "1", "--failure-grace", "-1", "{marker}"], ["failure_grace_s must be a number of seconds >= 0"]),

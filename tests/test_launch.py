@@ -481,3 +481,12 @@ def test_a_stop_signal_the_ranks_do_not_handle_is_sent_as_one_they_do(tmp_path, 
     rc, stderr = finish(launcher, timeout=60)
     assert rc == 75, stderr[-3000:]
     assert "does not handle SIGUSR1" in stderr and "sending SIGTERM, which it does" in stderr
+
+
+def test_dash_n_is_short_for_nproc_per_node() -> None:
+    import argparse
+
+    from resilience.launch import add_arguments
+
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["-n", "3", "train.py"])
+    assert args.nproc_per_node == 3

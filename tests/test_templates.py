@@ -363,3 +363,16 @@ def test_script_with_torchrun_signals_the_workers_not_the_agent_and_keeps_their_
     assert re.search(r"^resilience: SIGUSR1 \(received at [\d.]+\) forwarded to torchrun's workers \d+ \d+", log, re.M), log
     assert log.count("signal=True stop_file=False") == 2, log
     assert "resilience: torchrun exited with 1; every rank exited with 75" in log
+
+
+def test_a_config_without_a_slurm_section_renders_defaults_with_a_warning(tmp_path: Path, capsys) -> None:
+    bare = tmp_path / "train.yaml"
+    bare.write_text("step_scheduler:\n  num_epochs: 2\n")
+    assert cli.main(["template", "slurm", str(bare)]) == 0
+    captured = capsys.readouterr()
+    assert "#!/bin/bash" in captured.out
+    assert "has no slurm: section" in captured.err and f"script_args: [--config, {bare}]" in captured.err
+    with_section = tmp_path / "with.yaml"
+    with_section.write_text("slurm:\n  script: train.py\n")
+    assert cli.main(["template", "slurm", str(with_section)]) == 0
+    assert "no slurm: section" not in capsys.readouterr().err

@@ -22,8 +22,8 @@ def _stderr_log(message: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``run`` command's options to ``parser`` (used by ``resilience run``)."""
     parser.add_argument(
-        "--nproc-per-node", "--nproc_per_node", type=int, required=True, metavar="N",
-        help="ranks to start on this node",
+        "--nproc-per-node", "--nproc_per_node", "-n", type=int, required=True, metavar="N",
+        help="ranks to start on this node (torchrun's name; -n for short)",
     )
     parser.add_argument("--nnodes", type=int, default=1, metavar="N",
                         help="number of nodes, one launcher each (default 1)")
