@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, print_doc
+from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, print_doc, saved_section
 from resilience.exit_codes import ExitCode
 
 SLURM_SIGNAL_INTERVAL_S = 30
@@ -50,13 +50,7 @@ def _recorded_timings(root: Path) -> list[dict[str, Any]]:
 def _run_settings(root: Path, source: str) -> dict[str, Any]:
     """The saved ``config.yaml``'s cadence, interval and first Slurm-sendable signal, from the
     checkpoint ``source`` (under ``root``) whose timings are used; ``{}`` when unreadable."""
-    import yaml
-
-    directory = root if root.name == source else root / source
-    try:
-        sched = (yaml.safe_load((directory / "config.yaml").read_text()) or {}).get("step_scheduler") or {}
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
-        return {}
+    sched = saved_section(root if root.name == source else root / source, "step_scheduler")
     settings: dict[str, Any] = {}
     if sched.get("agreement_every_steps") is not None:
         settings["agreement_every_steps"] = sched["agreement_every_steps"]

@@ -51,6 +51,18 @@ def print_doc(doc: dict[str, Any], as_json: bool, format_doc: Callable[[dict[str
     _emit(json.dumps(doc, indent=2, sort_keys=True) if as_json else format_doc(doc))
 
 
+def saved_section(directory: Path, section: str) -> dict[str, Any]:
+    """Section ``section`` of the ``config.yaml`` a checkpoint saved (the run's own settings);
+    ``{}`` when the file is missing, unreadable or has no such mapping."""
+    import yaml
+
+    try:
+        value = (yaml.safe_load((directory / "config.yaml").read_text()) or {}).get(section)
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def existing_dir(text: str, what: str) -> Path:
     """``text`` as the path of an existing directory; :class:`UsageError` naming ``what`` otherwise."""
     path = Path(text)

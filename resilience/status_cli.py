@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, within
+from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, saved_section, within
 from resilience.exit_codes import ExitCode
 
 _POINTER_ORDER = ("LATEST", "LOWEST_VAL")
@@ -278,8 +278,6 @@ def inspect_root(root: Path, *, deep: bool = False) -> dict[str, Any]:
 def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:
     """The requeue-loop guard's count (``.starts.json``, :mod:`resilience.progress_guard`) and
     whether the next start from ``pick`` would exit 76; ``None`` when nothing is counted."""
-    import yaml
-
     from resilience.progress_guard import STARTS_FILE, no_progress
 
     try:
@@ -288,13 +286,9 @@ def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     limit: int | None = 3  # checkpoint.max_restarts_without_progress's default
-    if pick is not None:
-        try:
-            ck = (yaml.safe_load((root / pick / "config.yaml").read_text()) or {}).get("checkpoint") or {}
-            if "max_restarts_without_progress" in ck:
-                limit = ck["max_restarts_without_progress"]
-        except (OSError, ValueError, AttributeError, yaml.YAMLError):
-            pass
+    saved = saved_section(root / pick, "checkpoint") if pick is not None else {}
+    if "max_restarts_without_progress" in saved:
+        limit = saved["max_restarts_without_progress"]
     same = point == pick
     return {"file": str(root / STARTS_FILE), "resume_point": point, "starts": starts, "limit": limit,
             "next_start_exits_no_progress": bool(same and isinstance(limit, int) and no_progress(starts + 1, limit))}

@@ -92,6 +92,8 @@ class _DigestingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        """DCP's stream for ``path``: a :class:`DurableFile` for ``"wb"`` (its record kept once
+        closed), the plain file otherwise. Raises ``OSError`` from the writes or the fsync."""
         if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream
@@ -103,6 +105,7 @@ class _DigestingFileSystem(FileSystem):
             self.records[path] = stream.record(path.name)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        """Rename as DCP asks, carrying the file's record over to its new name."""
         super().rename(path, new_path)  # DCP writes .metadata.tmp, then renames it
         with self._lock:
             if (old := self.records.pop(Path(path), None)) is not None:

@@ -124,12 +124,15 @@ class DurableFile(io.RawIOBase):
         self._size = 0
 
     def writable(self) -> bool:
+        """Always True: a file opened for writing."""
         return True
 
     def fileno(self) -> int:
+        """The OS file descriptor (DCP fsyncs through it)."""
         return self._fd
 
     def tell(self) -> int:
+        """Bytes written so far (the file is only appended to)."""
         return self._size
 
     def write(self, data: Any) -> int:

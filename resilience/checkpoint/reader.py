@@ -179,6 +179,7 @@ class _ContentCheck(threading.Thread):
         self.problem: str | None = None
 
     def run(self) -> None:
+        """Digest each file in turn; stop at the first problem, recorded in ``problem``."""
         for rel in self.rels:
             path = self.directory / rel
             digest = entry_digest(self.files[rel])

@@ -28,10 +28,10 @@ _DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.complex64: "C64",
 }
-_CODES = {}  # filled below: safetensors code -> dtype
 for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
     if hasattr(torch, _name):
         _DTYPES[getattr(torch, _name)] = _code
+_CODES = {code: dtype for dtype, code in _DTYPES.items()}  # safetensors code -> dtype, for reading
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], relpath: str, metadata: dict[str, str] | None = None) -> FileRecord:
@@ -71,7 +71,6 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], relpath: str
     return out.record(relpath)
 
 
-_CODES.update({code: dtype for dtype, code in _DTYPES.items()})
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 

@@ -109,6 +109,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     last value silently, so a setting edited in one place and left in another is lost."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """The mapping of ``node``; raises ``yaml.constructor.ConstructorError`` naming both
+        lines when a key appears twice."""
         seen: dict = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
