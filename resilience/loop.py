@@ -40,6 +40,7 @@ from resilience.slurm import run_id_from_env, signal_reach_warning
 from resilience.mindspore_compat import rescale_for_global_batch_size
 from resilience.state.data_position import epoch_iterator, loader_length, set_epoch
 from resilience.state.step_scheduler import StepScheduler
+from resilience.state.worker_signals import shield_dataloader_workers
 from resilience import progress_guard
 from resilience.timing import RunTimer, auto_cadence
 
@@ -90,6 +91,8 @@ class ResilientLoop:
         self.timer = RunTimer()
         """Moving averages of step and save time (seconds), recorded in each checkpoint."""
         self._deadline = Deadline(config, self.ctx.rank, self.timer)
+        # Slurm signals every process of a step: the loader's workers must outlive the save.
+        shield_dataloader_workers(state.dataloader, config.step_scheduler.signals)
 
     # -- public --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:

@@ -132,10 +132,11 @@ class SignalRecorder:
     * ``__exit__`` restores exactly the dispositions found on ``__enter__``, also when the body
       raises.
     * Install only from the main thread (``signal.signal`` works nowhere else): ``RuntimeError``.
-    * Fork: in a child forked while installed (e.g. DataLoader workers), the handler does nothing
-      and ``__exit__`` restores nothing. A preemption signal sent to the whole job (Slurm signals
-      every process of a step) then leaves workers running, so the parent can finish its step
-      and save before it tears them down.
+    * Fork: in a child forked while installed, the handler does nothing and ``__exit__`` restores
+      nothing. That alone does not keep DataLoader workers alive: torch's worker loop installs
+      its own C-level SIGTERM handler over the inherited one, and ``spawn`` workers inherit
+      nothing; :mod:`resilience.state.worker_signals` shields them, so a signal sent to the whole
+      job (Slurm signals every process of a step) leaves them serving until the save is done.
     * An empty ``signals`` makes the recorder a no-op (installs nothing, any thread).
     * A recorder is not re-entrant (``RuntimeError``); it may be entered again after exit, which
       clears what it received.

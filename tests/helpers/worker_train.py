@@ -1,0 +1,111 @@
+"""A small deterministic training under resilient_loop() whose DataLoader has worker processes.
+
+Usage: worker_train.py CKPT_DIR EVENTS_DIR [dotted overrides...]
+
+Env:
+  LOADER        ``plain`` (torch's DataLoader, default) or ``stateful`` (torchdata's StatefulDataLoader)
+  NUM_WORKERS   worker processes per rank (default 2)
+  PERSISTENT    ``1``: ``persistent_workers=True`` (default 0)
+  PAUSE_AT_STEP N: in step N's body every rank creates ``EVENTS_DIR/paused_<rank>`` and waits
+                until ``EVENTS_DIR/release`` exists (at most 60 s), so a test can signal while
+                every rank and its workers are known to be running.
+
+The loader's own ``worker_init_fn`` creates ``EVENTS_DIR/worker_<rank>_<pid>`` in each worker (so a
+test can check that the user's function still runs, and that no worker outlives its rank). Each
+rank prints ``rank R: exit CODE`` and exits with the loop's code.
+
+Training: 2 ranks x 2 epochs x 10 steps (160 samples, DistributedSampler shuffle, batch 8), an
+MLP under DistributedDataParallel, AdamW; ``preemption_signal: [USR1, TERM]``, agreement every step.
+"""
+
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from resilience import load_config, resilient_loop
+
+
+KEEP = []
+
+
+class UserWorkerInit:
+    """The user's worker_init_fn (a class, so it pickles with any start method)."""
+
+    def __init__(self, events: str, rank: int) -> None:
+        self.events, self.rank = events, rank
+
+    def __call__(self, worker_id: int) -> None:
+        Path(self.events, f"worker_{self.rank}_{os.getpid()}").touch()
+
+
+def main() -> int:
+    ckpt_dir, events, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    torch.set_num_threads(1)
+    os.makedirs(events, exist_ok=True)
+    cfg = load_config(None, [
+        f"checkpoint.checkpoint_dir={ckpt_dir}",
+        "step_scheduler.num_epochs=2",
+        "step_scheduler.ckpt_every_steps=100",
+        "step_scheduler.preemption_signal=[USR1, TERM]",
+        "step_scheduler.agreement_every_steps=1",
+        *overrides,
+    ])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1234)
+    dataset = TensorDataset(torch.randn(160, 8, generator=g), torch.randn(160, 1, generator=g))
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    kind = os.environ.get("LOADER", "plain")
+    if kind == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader as Loader
+    else:
+        Loader = DataLoader
+    workers = int(os.environ.get("NUM_WORKERS", "2"))
+    loader = Loader(dataset, batch_size=8, sampler=sampler, num_workers=workers,
+                    persistent_workers=os.environ.get("PERSISTENT") == "1" and workers > 0,
+                    worker_init_fn=UserWorkerInit(events, rank))
+    pause_at = int(os.environ.get("PAUSE_AT_STEP", "0"))
+
+    loop = resilient_loop(cfg, model=net, optimizer=optimizer, dataloader=loader)
+    with loop:
+        for step in loop:
+            if step.global_step == pause_at:
+                Path(events, f"paused_{rank}").touch()
+                deadline = time.monotonic() + 60
+                while not Path(events, "release").exists():
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"rank {rank}: never released")
+                    time.sleep(0.01)
+            x, y = step.batch
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            loop.log(loss=loss.item(), lr=optimizer.param_groups[0]["lr"])
+    code = int(loop.exit_code)
+    print(f"rank {rank}: exit {code}", flush=True)
+    # The loader stays alive until the interpreter exits: persistent workers are then stopped by
+    # multiprocessing's exit handler (a SIGTERM from their parent), the path users get.
+    KEEP.append(loader)
+    # DDP freed before the group is destroyed (torch 2.13 + gloo can abort at exit otherwise).
+    del net, loop, loader
+    gc.collect()
+    if world > 1:
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
