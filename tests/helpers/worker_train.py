@@ -12,7 +12,7 @@ Env:
 
 The loader's own ``worker_init_fn`` creates ``EVENTS_DIR/worker_<rank>_<pid>`` in each worker (so a
 test can check that the user's function still runs, and that no worker outlives its rank). Each
-rank prints ``rank R: exit CODE`` and exits with the loop's code.
+rank prints ``rank R: exit CODE, resumed from NAME, stop step S`` and exits with the loop's code.
 
 Training: 2 ranks x 2 epochs x 10 steps (160 samples, DistributedSampler shuffle, batch 8), an
 MLP under DistributedDataParallel, AdamW; ``preemption_signal: [USR1, TERM]``, agreement every step.
@@ -95,7 +95,8 @@ def main() -> int:
             optimizer.step()
             loop.log(loss=loss.item(), lr=optimizer.param_groups[0]["lr"])
     code = int(loop.exit_code)
-    print(f"rank {rank}: exit {code}", flush=True)
+    resumed = loop.resumed_from.name if loop.resumed_from else None
+    print(f"rank {rank}: exit {code}, resumed from {resumed}, stop step {loop.stop_step}", flush=True)
     # The loader stays alive until the interpreter exits: persistent workers are then stopped by
     # multiprocessing's exit handler (a SIGTERM from their parent), the path users get.
     KEEP.append(loader)
