@@ -214,3 +214,19 @@ os._exit(0)
             proc.kill()
             proc.wait()
     assert proc.returncode == 0 and "worker exit 0" in out, out
+
+
+def test_persistent_workers_started_before_the_loop_get_a_warning(caplog):
+    """Workers forked before the shield was set never ran it: say so instead of failing later."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(list(range(4)), num_workers=1, persistent_workers=True)
+    list(loader)  # the persistent workers now exist
+    with caplog.at_level("WARNING", logger="resilience"):
+        assert shield_dataloader_workers(loader, [signal.SIGTERM])
+    assert "persistent workers were started before resilient_loop()" in caplog.text and "SIGTERM" in caplog.text
+    fresh = DataLoader(list(range(4)), num_workers=1, persistent_workers=True)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="resilience"):
+        shield_dataloader_workers(fresh, [signal.SIGTERM])
+    assert not caplog.text
