@@ -490,3 +490,55 @@ def test_dash_n_is_short_for_nproc_per_node() -> None:
 
     args = add_arguments(argparse.ArgumentParser()).parse_args(["-n", "3", "train.py"])
     assert args.nproc_per_node == 3
+
+
+# -- temp directories ---------------------------------------------------------------------------
+
+
+def _ready_dirs(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("resilience-ranks-*"))
+
+
+@pytest.mark.timeout(60)
+def test_a_sigkilled_launchers_temp_dir_is_removed_by_the_next_start(tmp_path, cli):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    worker = write_worker(tmp_path, SLEEP_WORKER)
+    first = cli("-n", "1", "--pid-file", str(tmp_path / "pids"), worker, str(tmp_path), env={"TMPDIR": str(tmp)})
+    wait_for([tmp_path / "ready0", tmp_path / "pids"])
+    rank = read_pid_file(tmp_path / "pids")["rank 0"]
+    (stale,) = _ready_dirs(tmp)
+    os.kill(first.pid, signal.SIGKILL)  # the launcher only: nothing can clean up after it
+    first.wait()
+    os.kill(rank, signal.SIGKILL)
+    assert stale.exists()
+    # A directory whose recorded launcher pid now runs another program (reused pid) goes too,
+    # one whose launcher runs stays, and one without a record (being created) is left alone.
+    reused = tmp / "resilience-ranks-reused"
+    reused.mkdir()
+    (reused / "launcher").write_text(f"{os.getpid()} 12345.0\n")
+    import psutil
+    live = tmp / "resilience-ranks-live"
+    live.mkdir()
+    (live / "launcher").write_text(f"{os.getpid()} {psutil.Process().create_time()!r}\n")
+    unknown = tmp / "resilience-ranks-unknown"
+    unknown.mkdir()
+
+    second = cli("-n", "1", write_worker(tmp_path, CODES_WORKER, name="codes.py"), "0", env={"TMPDIR": str(tmp)})
+    assert second.wait(timeout=30) == 0, second.stderr.read()
+    assert _ready_dirs(tmp) == [live, unknown]
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_crash_leave_no_temp_dir(tmp_path, cli):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    worker = write_worker(tmp_path, """
+        import os, signal, sys
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(1)
+    """)
+    proc = cli("-n", "2", worker, env={"TMPDIR": str(tmp)})
+    assert proc.wait(timeout=30) == 1, proc.stderr.read()
+    assert _ready_dirs(tmp) == []

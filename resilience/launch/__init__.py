@@ -12,9 +12,10 @@ reaches the batch script unchanged.
 One module per piece: :mod:`~resilience.launch.start` (:func:`launch` and the ranks'
 environment), :mod:`~resilience.launch.rank_group` (:class:`RankGroup`: waiting, the failure
 grace, reaping), :mod:`~resilience.launch.exit_status` (:func:`combine_exit_codes`),
-:mod:`~resilience.launch.ports` (``MASTER_PORT``), :mod:`~resilience.launch.forwarding` (the
-signals the launcher records and passes on) and :mod:`~resilience.launch.run_cli` (the
-``resilience run`` command). None of them imports torch, so ``resilience run`` has its handlers
+:mod:`~resilience.launch.ports` (``MASTER_PORT``), :mod:`~resilience.launch.ready_dirs` (the
+handshake's temp directories, and removing those of killed launchers),
+:mod:`~resilience.launch.forwarding` (the signals the launcher records and passes on) and
+:mod:`~resilience.launch.run_cli` (the ``resilience run`` command). None of them imports torch, so ``resilience run`` has its handlers
 in place before a Slurm warning can arrive.
 """
 

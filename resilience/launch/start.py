@@ -26,11 +26,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Mapping, Sequence
 
 from resilience.handshake import READY_DIR_ENV, STOP_FILE_ENV
 from resilience.launch.ports import resolve_master_port
+from resilience.launch.ready_dirs import make_ready_dir
 from resilience.launch.rank_group import Log, RankGroup
 
 
@@ -96,7 +96,7 @@ def launch(
     port = resolve_master_port(master_port, base, nnodes)
     ranks = [node_rank * nproc_per_node + local for local in range(nproc_per_node)]
     # Handshake files (resilience.handshake): a batch script's stop file wins over our own.
-    ready_dir = tempfile.mkdtemp(prefix="resilience-ranks-")
+    ready_dir = make_ready_dir()  # also removes those of launchers that were killed
     stop_file = base.get(STOP_FILE_ENV) or os.path.join(ready_dir, "stop")
     procs: list[subprocess.Popen] = []
     try:
