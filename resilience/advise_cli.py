@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -19,6 +20,14 @@ from resilience.exit_codes import ExitCode
 SLURM_SIGNAL_INTERVAL_S = 30
 """Slurm checks ``--signal`` times about every 30 s, so a signal asked for ``@N`` arrives
 between N and N + 30 s before the end (sbatch(1), ``--signal``)."""
+
+
+TORCHRUN_SHUTDOWN_TIMEOUT_S = 30
+"""Seconds torchrun's agent (torch 2.13) waits after passing a SIGTERM on to its workers before it
+SIGKILLs them: ``LaunchConfig.shutdown_timeout`` in ``torch/distributed/launcher/api.py``
+(``--shutdown-timeout``, else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30), used by
+``SubprocessContext._close`` in ``torch/distributed/elastic/multiprocessing/api.py``."""
+_SHUTDOWN_TIMEOUT = re.compile(r"(?:TORCH_ELASTIC_SHUTDOWN_TIMEOUT=|--shutdown[-_]timeout[= ])['\"]?(\d+)")
 
 
 def _number(value: Any) -> float | None:
@@ -61,6 +70,11 @@ def _run_settings(root: Path, source: str) -> dict[str, Any]:
     sendable = [n for n in names if n in ("USR1", "USR2", "TERM")]
     if sendable:
         settings["signal"] = "USR1" if "USR1" in sendable else sendable[0]
+    slurm = saved_section(root if root.name == source else root / source, "slurm")
+    if slurm.get("launcher") == "torchrun":
+        setup = slurm.get("setup") if isinstance(slurm.get("setup"), list) else []
+        found = [int(m.group(1)) for line in setup for m in [_SHUTDOWN_TIMEOUT.search(str(line))] if m]
+        settings["torchrun_shutdown_timeout_s"] = found[-1] if found else TORCHRUN_SHUTDOWN_TIMEOUT_S
     return settings
 
 
@@ -77,6 +91,11 @@ def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int | str 
     (else the newest with ``step_s``, counting a save as one step, as
     :func:`resilience.timing.must_stop` does), or with ``median`` the medians over all
     checkpoints. ``lead_s = ceil(seconds_needed + 30)``: Slurm checks signal times every 30 s.
+
+    ``warnings``: under ``slurm.launcher: torchrun`` (from the saved config), when
+    ``seconds_needed`` exceeds torchrun's SIGTERM-to-SIGKILL budget
+    (:data:`TORCHRUN_SHUTDOWN_TIMEOUT_S`, or a ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT=N`` /
+    ``--shutdown-timeout N`` found in ``slurm.setup``).
 
     Raises:
         LookupError: no manifest under ``root`` recorded a step time.
@@ -117,10 +136,19 @@ def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int | str 
         notes.append(f"agreement_every_steps auto: k = {agreement_every_steps} for {step_s:.3f} s steps (a round every {agreement_interval_s:g} s at most, at least every step)")
     needed = seconds_needed(step_s, save_s, agreement_every_steps=agreement_every_steps, safety=safety)
     lead_s = math.ceil(needed + SLURM_SIGNAL_INTERVAL_S)
+    warnings = []
+    budget = settings.get("torchrun_shutdown_timeout_s")
+    if budget is not None and needed > budget:
+        warnings.append(
+            f"slurm.launcher: torchrun: a stop needs {needed:.1f} s, but torchrun's agent SIGKILLs its workers "
+            f"{budget} s after it receives SIGTERM (its --shutdown-timeout), and Slurm sends SIGTERM to every "
+            f"process of a step at its end, on scancel and after a preemption's GraceTime: add "
+            f"'export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={math.ceil(needed)}' (or more) to slurm.setup, or use "
+            f"slurm.launcher: resilience or srun")
     return {"version": JSON_VERSION, "root": str(root), "source": source, "step_s": step_s, "save_s": save_s,
             "safety": safety, "agreement_every_steps": agreement_every_steps, "seconds_needed": needed,
             "slurm_signal_interval_s": SLURM_SIGNAL_INTERVAL_S, "lead_s": lead_s,
-            "sbatch": f"#SBATCH --signal=B:{signal_name}@{lead_s}", "notes": notes}
+            "sbatch": f"#SBATCH --signal=B:{signal_name}@{lead_s}", "notes": notes, "warnings": warnings}
 
 
 def format_advice(doc: dict[str, Any]) -> str:
@@ -130,6 +158,7 @@ def format_advice(doc: dict[str, Any]) -> str:
     return "\n".join([
         f"Timings from {doc['source']}: step {doc['step_s']:.3f} s, save {doc['save_s']:.3f} s",
         *[f"  note: {n}" for n in doc["notes"]],
+        *[f"  warning: {w}" for w in doc.get("warnings", [])],
         "A stop needs (steps the agreement may still run + one save) x safety:",
         f"  ((2 x {k} - 1) x {doc['step_s']:.3f} s + {doc['save_s']:.3f} s) x {doc['safety']:g}"
         f" = ({steps} x {doc['step_s']:.3f} + {doc['save_s']:.3f}) x {doc['safety']:g} = {doc['seconds_needed']:.3f} s",

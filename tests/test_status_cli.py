@@ -436,3 +436,23 @@ def test_status_shows_the_restart_guard_and_when_the_next_start_would_exit_76(da
     assert guard["starts"] == 3 and guard["limit"] == 3 and guard["next_start_exits_no_progress"] is True
     code, out, _ = run_cli(capsys, "status", str(damaged))
     assert "the next start exits 76 (NO_PROGRESS) at once" in out and ".starts.json" in out
+
+
+@pytest.mark.parametrize("slurm,warned", [
+    ("  launcher: torchrun\n", True),
+    ("  launcher: torchrun\n  setup: ['export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120']\n", False),
+    ("  launcher: resilience\n", False),
+])
+def test_advise_warns_when_a_stop_outlasts_torchruns_sigterm_budget(tmp_path, capsys, slurm, warned):
+    """torchrun's agent SIGKILLs its workers 30 s after its own SIGTERM: a 40 s save is lost there."""
+    root = tmp_path / "slow"
+    write_manifest(root, 6, 300.0, 0.5, 40.0)
+    (root / "epoch_0_step_6" / "config.yaml").write_text("step_scheduler:\n  agreement_every_steps: 1\nslurm:\n" + slurm)
+    code, out, _ = run_cli(capsys, "advise", str(root))
+    assert code == 0
+    assert ("warning: slurm.launcher: torchrun: a stop needs 60.8 s" in out) == warned, out
+    if warned:
+        assert "SIGKILLs its workers 30 s after it receives SIGTERM" in out
+        assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=61" in out
+    doc = json.loads(run_cli(capsys, "advise", str(root), "--json")[1])
+    assert bool(doc["warnings"]) == warned
