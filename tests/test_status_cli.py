@@ -442,7 +442,7 @@ def test_status_shows_the_restart_guard_and_when_the_next_start_would_exit_76(da
     ("  launcher: torchrun\n", True),
     ("  launcher: torchrun\n  setup: ['export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120']\n", False),
     ("  launcher: resilience\n", False),
-])
+], ids=["torchrun", "torchrun-shutdown-timeout-120", "resilience"])
 def test_advise_warns_when_a_stop_outlasts_torchruns_sigterm_budget(tmp_path, capsys, slurm, warned):
     """torchrun's agent SIGKILLs its workers 30 s after its own SIGTERM: a 40 s save is lost there."""
     root = tmp_path / "slow"
