@@ -76,17 +76,14 @@ def _assert_no_worker_left(events: Path, out: str) -> None:
         time.sleep(0.1)
 
 
-_REFERENCES: dict[tuple[str, bool], Path] = {}
-
-
-def _reference(tmp_path_factory, loader: str, persistent: bool) -> Path:
-    key = (loader, persistent)
-    if key not in _REFERENCES:
-        root = tmp_path_factory.mktemp(f"ref-{loader}-{int(persistent)}")
-        code, out = _run_to_end(root / "ck", root / "events", _env(loader, persistent))
-        assert code == ExitCode.DONE, out
-        _REFERENCES[key] = root / "ck"
-    return _REFERENCES[key]
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One uninterrupted run: the data order comes from the sampler in the rank, so every loader
+    kind, with or without persistent workers, must train exactly like it."""
+    root = tmp_path_factory.mktemp("reference")
+    code, out = _run_to_end(root / "ck", root / "events", _env("plain", False))
+    assert code == ExitCode.DONE, out
+    return root / "ck"
 
 
 # (loader kind, persistent workers, signal, to the group or to rank 1). SIGTERM to the group is
@@ -106,7 +103,7 @@ CASES = [
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("loader,persistent,sig,target", CASES, ids=["-".join([c[0], "persistent" if c[1] else "transient", c[2], c[3]]) for c in CASES])
 def test_a_signal_to_the_process_group_with_dataloader_workers_saves_the_agreed_step_and_resumes_exactly(
-    tmp_path, tmp_path_factory, loader, persistent, sig, target
+    tmp_path, reference, loader, persistent, sig, target
 ):
     ckpt, events, pid_file = tmp_path / "ck", tmp_path / "events", tmp_path / "pids"
     proc = _launch(ckpt, events, _env(loader, persistent, PAUSE_AT_STEP=str(PAUSE_STEP)), pid_file)
@@ -141,7 +138,7 @@ def test_a_signal_to_the_process_group_with_dataloader_workers_saves_the_agreed_
     code, out = _run_to_end(ckpt, resumed_events, _env(loader, persistent))
     assert code == ExitCode.DONE, out
     _assert_no_worker_left(resumed_events, out)
-    result = compare(ckpt, _reference(tmp_path_factory, loader, persistent))
+    result = compare(ckpt, reference)
     assert result.identical and result.steps == TOTAL_STEPS, result.detail
 
 
