@@ -227,3 +227,33 @@ def test_persistent_workers_started_before_the_loop_get_a_warning(caplog):
     with caplog.at_level("WARNING", logger="resilience"):
         shield_dataloader_workers(fresh, [signal.SIGTERM])
     assert not caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_shielded_worker_still_ends_when_its_rank_is_killed():
+    """torch's watchdog (the worker polls its parent pid) is untouched by the shield."""
+    code = r"""
+import os, signal, time
+from torch.utils.data import DataLoader
+from resilience.state.worker_signals import shield_dataloader_workers
+loader = DataLoader(list(range(1000)), num_workers=1, persistent_workers=True, batch_size=None,
+                    worker_init_fn=lambda i: None)
+shield_dataloader_workers(loader, [signal.SIGTERM])
+it = iter(loader)
+next(it)
+print("workers", *[p.pid for p in it._workers], flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline().split()[1])
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while pid_alive(worker):
+            assert time.monotonic() < deadline, "the worker outlived its killed parent"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
