@@ -10,7 +10,6 @@ from that checkpoint and ends bitwise equal to an uninterrupted local run.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
