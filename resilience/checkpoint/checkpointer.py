@@ -27,7 +27,7 @@ from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound
 from resilience.checkpoint.staging import StagingBuffers
 from resilience.checkpoint.training_state import TrainingState
 from resilience.checkpoint.writer import Part, remove_leftovers, save_checkpoint
-from resilience.config import _URL, CheckpointConfig, ConfigError
+from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
 from resilience.state.rng import load_rng_state
 from resilience.state.step_scheduler import StepScheduler
@@ -81,13 +81,13 @@ class Checkpointer:
         """Refuse a ``checkpoint_dir`` that cannot hold checkpoints, before any training and on
         every rank alike: rank 0 looks (creating the directory, as the first save would, and a
         probe file in it when saving), then broadcasts what it found, so no rank goes on to wait
-        in a collective for a peer that raised. URL-like directories are not checked.
+        in a collective for a peer that raised. (A URL never gets here: the configuration refuses it.)
 
         Raises:
             ConfigError: naming ``checkpoint.checkpoint_dir``: it (or a parent) is not a directory,
                 or, when saving, it cannot be created or written.
         """
-        if not self.config.enabled or _URL.match(self.config.checkpoint_dir):
+        if not self.config.enabled:
             return
         problem = _root_problem(self.root, saving=self.config.enable_save) if self.ctx.rank == 0 else None
         if self.ctx.distributed:

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any
 
-from resilience.config.checks import ConfigError, check_bool, check_int
-
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+from resilience.config.checks import ConfigError, check_bool, check_int, check_local_path
 
 
 def _check_retention_and_mindspore_keys(cfg: "CheckpointConfig") -> None:
@@ -35,12 +32,6 @@ def _check_retention_and_mindspore_keys(cfg: "CheckpointConfig") -> None:
         )
     if cfg.load_path is not None and cfg.restore_from is not None:
         raise ConfigError("checkpoint.load_path and checkpoint.restore_from both set: both name what to load; set one of them")
-    retention = "max_recent_checkpoints" if cfg.max_recent_checkpoints is not None else "save_max" if cfg.save_max is not None else None
-    if retention and _URL.match(str(cfg.checkpoint_dir)):
-        raise ConfigError(
-            f"checkpoint.{retention} is only supported for local checkpoint directories, and checkpoint.checkpoint_dir "
-            f"is the URL {cfg.checkpoint_dir!r}; unset checkpoint.{retention} or use a local (or mounted) path"
-        )
 
 
 def _save_consolidated(value: Any, model_save_format: str) -> Any:
@@ -67,7 +58,9 @@ class CheckpointConfig:
     enabled: bool = True
     """Write and resume checkpoints (default true). When false, preemption still stops cleanly."""
     checkpoint_dir: str = "checkpoints/"
-    """Root directory holding ``epoch_<E>_step_<S>/`` checkpoints and the ``LATEST`` pointer."""
+    """Root directory holding ``epoch_<E>_step_<S>/`` checkpoints and the ``LATEST`` pointer: a local or
+    mounted path; ``file:///abs`` is taken as ``/abs``, any other ``scheme://`` URL is a ``ConfigError``
+    (as for ``restore_from`` and ``load_path``)."""
     restore_from: str | None = None
     """A checkpoint directory (absolute, or a name under ``checkpoint_dir``) to resume from instead of
     ``LATEST``. It must exist and be valid: a missing one is an error, never a fresh start."""
@@ -75,7 +68,7 @@ class CheckpointConfig:
     """Resume automatically from ``LATEST`` when it exists (default true)."""
     max_recent_checkpoints: int | None = None
     """Keep the newest N checkpoints plus every pointer target (``LATEST``, ``LOWEST_VAL``, any other
-    top-level symlink or ``.txt`` pointer); null keeps everything (default). Local directories only."""
+    top-level symlink or ``.txt`` pointer); null keeps everything (default)."""
     best_metric_key: str = "default"
     """The validation metric that decides ``LOWEST_VAL`` (lower is better) when ``log_validation``
     gets several; with one metric that one is used (NeMo AutoModel semantics)."""
@@ -124,6 +117,9 @@ class CheckpointConfig:
         check_bool("checkpoint.resume", self.resume)
         if self.world_size_change not in ("strict", "elastic"):
             raise ConfigError(f"checkpoint.world_size_change: {self.world_size_change!r}; accepted: strict, elastic")
+        # Before anything reads them: an object-store URL is refused here, never a local folder named after it.
+        for key in ("checkpoint_dir", "restore_from", "load_path"):
+            setattr(self, key, check_local_path(f"checkpoint.{key}", getattr(self, key)))
         _check_retention_and_mindspore_keys(self)
         if not isinstance(self.checkpoint_dir, (str, os.PathLike)) or not str(self.checkpoint_dir).strip():
             raise ConfigError(f"checkpoint.checkpoint_dir: expected a non-empty path, got {self.checkpoint_dir!r}")
