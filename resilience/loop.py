@@ -225,7 +225,7 @@ class ResilientLoop:
                     return
                 every = sched_cfg.ckpt_every_steps
                 if every and scheduler.global_step % every == 0:
-                    self._save("periodic")
+                    self._save("final" if final else "periodic")  # the run's last checkpoint is "final" whatever else it is
                     # A signal during that save: it is this step's checkpoint; stop without a second one.
                     if agreement.agree_now(self._pending()) and not final:
                         self._stop(scheduler.global_step, "during a save", save=False)
@@ -233,7 +233,7 @@ class ResilientLoop:
             else:
                 scheduler.finish_epoch()
         agreement.drain()
-        if self.checkpointer.last_saved_step != scheduler.global_step:
+        if self.checkpointer.needs_final_save(scheduler.global_step):
             self._save("final")
         self.checkpointer.wait()  # the end of training publishes before it reports DONE
         if self.ctx.rank == 0 and self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
