@@ -255,7 +255,8 @@ class ResilientLoop:
         ckpt_cfg = self.config.checkpoint
         if not (ckpt_cfg.enabled and ckpt_cfg.enable_save):
             return False
-        return progress_guard.must_end(self.ctx, self.checkpointer.root, self.resumed_from, ckpt_cfg.max_restarts_without_progress)
+        return progress_guard.must_end(self.ctx, self.checkpointer.root, self.resumed_from, ckpt_cfg.max_restarts_without_progress,
+                                       ckpt_cfg.max_preemptions_without_progress)
 
     def _deadline_flag(self) -> int:
         """STOP_DEADLINE on rank 0 once the time left no longer covers a stop (see resilience.deadline)."""
@@ -285,6 +286,9 @@ class ResilientLoop:
         self.checkpointer.wait()  # an asynchronous save must be published before we exit
         self.stop_step = step
         self.exit_code = ExitCode.PREEMPTED
+        if self.ctx.rank == 0 and self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
+            # A clean preemption, not a failed start (the requeue-loop guard counts them apart).
+            progress_guard.record_clean_stop(self.checkpointer.root, self.resumed_from.name if self.resumed_from else None)
         if self.checkpointer.last_saved_step == step:
             saved = "checkpoint published"
         elif self.resumed_from is not None:

@@ -17,6 +17,7 @@ def _check_retention_and_mindspore_keys(cfg: "CheckpointConfig") -> None:
         raise ConfigError(f"checkpoint.async_timeout_s: expected a number of seconds > 0, got {cfg.async_timeout_s!r}")
     check_int("checkpoint.max_recent_checkpoints", cfg.max_recent_checkpoints, minimum=1, allow_none=True)
     check_int("checkpoint.max_restarts_without_progress", cfg.max_restarts_without_progress, minimum=1, allow_none=True)
+    check_int("checkpoint.max_preemptions_without_progress", cfg.max_preemptions_without_progress, minimum=1, allow_none=True)
     check_int("checkpoint.save_max", cfg.save_max, minimum=1, allow_none=True)
     if not isinstance(cfg.best_metric_key, str) or not cfg.best_metric_key:
         raise ConfigError(f"checkpoint.best_metric_key: expected a metric name, got {cfg.best_metric_key!r}")
@@ -76,9 +77,14 @@ class CheckpointConfig:
     """Asynchronous saving (MindSpore ``async_save``): a save copies the state into reused host
     buffers and returns; a background thread writes, fsyncs and publishes it. Default false."""
     max_restarts_without_progress: int | None = 3
-    """Requeue-loop guard: after this many consecutive starts from the same ``LATEST`` (restarts
-    that produced no new checkpoint), exit with ``ExitCode.NO_PROGRESS`` (76), which the Slurm
-    templates never requeue (default 3; null disables)."""
+    """Requeue-loop guard: after this many starts from the same ``LATEST`` that saved no new
+    checkpoint and did not end in a clean preemption (an exception, a crash, a kill), the next
+    start exits with ``ExitCode.NO_PROGRESS`` (76), which the Slurm templates never requeue
+    (default 3; null disables). Clean preemptions count against ``max_preemptions_without_progress``."""
+    max_preemptions_without_progress: int | None = 10
+    """Requeue-loop guard for clean preemptions: after this many starts from the same ``LATEST``
+    that were each stopped (exit 75) before they could save anything new, the next start exits
+    76: the job never gets far enough to checkpoint (default 10; null disables)."""
     async_timeout_s: float = 600.0
     """Seconds any wait for an asynchronous save in flight may take before it raises (default 600)."""
     enable_save: bool = True
