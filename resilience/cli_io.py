@@ -1,7 +1,8 @@
 """What ``resilience status``, ``verify`` and ``advise`` share: argument errors, printing, the JSON version.
 
 The text output is for people; ``--json`` prints a document with ``"version": 1`` whose keys
-only ever get added to. Only the standard library is imported here.
+only ever get added to. Only the standard library (and :mod:`resilience.local_paths`, which needs no
+more) is imported here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
+
+from resilience.local_paths import NotALocalPath, local_path
 
 JSON_VERSION = 1
 
@@ -63,8 +66,19 @@ def saved_section(directory: Path, section: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def local_arg(text: str, what: str) -> str:
+    """``text`` as a local path (``file:///abs`` -> ``/abs``); :class:`UsageError` naming ``what``
+    for another URL (``s3://...``), which would otherwise be read as a local folder ``s3:``."""
+    try:
+        return local_path(text, what)
+    except NotALocalPath as exc:
+        raise UsageError(str(exc)) from None
+
+
 def existing_dir(text: str, what: str) -> Path:
-    """``text`` as the path of an existing directory; :class:`UsageError` naming ``what`` otherwise."""
+    """``text`` as the path of an existing directory; :class:`UsageError` naming ``what`` otherwise
+    (also for a URL other than ``file://``, see :func:`local_arg`)."""
+    text = local_arg(text, what)
     path = Path(text)
     if not path.exists():
         raise UsageError(f"{what} {text!r}: no such directory")

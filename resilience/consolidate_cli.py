@@ -14,6 +14,7 @@ import os
 import sys
 
 from resilience.exit_codes import ExitCode
+from resilience.local_paths import local_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         nproc = _count("--nproc", args.nproc, "NPROC_PER_NODE", 1)
         threads = _count("--num-threads", args.num_threads, "NUM_THREADS", 5)
-    except ValueError as exc:
+        directory = local_path(args.directory, "DIR")
+        output = local_path(args.output, "--output") if args.output is not None else None
+    except ValueError as exc:  # NotALocalPath too: a URL is not read as a local folder "s3:"
         print(f"resilience consolidate: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
     cast = args.cast_dtype if args.cast_dtype is not None else os.environ.get("CAST_DTYPE")
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from resilience.checkpoint.consolidate import ConsolidateError, consolidate  # imports torch
 
     try:
-        out = consolidate(args.directory, args.output, nproc=nproc, num_threads=threads, cast_dtype=cast, progress=not args.no_progress)
+        out = consolidate(directory, output, nproc=nproc, num_threads=threads, cast_dtype=cast, progress=not args.no_progress)
     except ConsolidateError as exc:
         print(f"resilience consolidate: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)

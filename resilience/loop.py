@@ -228,7 +228,7 @@ class ResilientLoop:
                     return
                 every = sched_cfg.ckpt_every_steps
                 if every and scheduler.global_step % every == 0:
-                    self._save("periodic")
+                    self._save("final" if final else "periodic")  # the run's last checkpoint is "final" whatever else it is
                     # A signal during that save: it is this step's checkpoint; stop without a second one.
                     if agreement.agree_now(self._pending()) and not final:
                         self._stop(scheduler.global_step, "during a save", save=False)
@@ -236,7 +236,7 @@ class ResilientLoop:
             else:
                 scheduler.finish_epoch()
         agreement.drain()
-        if self.checkpointer.last_saved_step != scheduler.global_step:
+        if self.checkpointer.needs_final_save(scheduler.global_step):
             self._save("final")
         self.checkpointer.wait()  # the end of training publishes before it reports DONE
         if self.ctx.rank == 0 and self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
@@ -258,7 +258,8 @@ class ResilientLoop:
         ckpt_cfg = self.config.checkpoint
         if not (ckpt_cfg.enabled and ckpt_cfg.enable_save):
             return False
-        return progress_guard.must_end(self.ctx, self.checkpointer.root, self.resumed_from, ckpt_cfg.max_restarts_without_progress)
+        return progress_guard.must_end(self.ctx, self.checkpointer.root, self.resumed_from, ckpt_cfg.max_restarts_without_progress,
+                                       ckpt_cfg.max_preemptions_without_progress)
 
     def _deadline_flag(self) -> int:
         """STOP_DEADLINE on rank 0 once the time left no longer covers a stop (see resilience.deadline)."""
@@ -288,6 +289,9 @@ class ResilientLoop:
         self.checkpointer.wait()  # an asynchronous save must be published before we exit
         self.stop_step = step
         self.exit_code = ExitCode.PREEMPTED
+        if self.ctx.rank == 0 and self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
+            # A clean preemption, not a failed start (the requeue-loop guard counts them apart).
+            progress_guard.record_clean_stop(self.checkpointer.root, self.resumed_from.name if self.resumed_from else None)
         if self.checkpointer.last_saved_step == step:
             saved = "checkpoint published"
         elif self.resumed_from is not None:

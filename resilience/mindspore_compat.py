@@ -23,6 +23,7 @@ from fractions import Fraction
 from typing import Any, Mapping
 
 from resilience.config import ConfigError
+from resilience.config.checks import check_local_path
 
 log = logging.getLogger("resilience")
 
@@ -43,7 +44,8 @@ def normalize_aliases(data: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ConfigError: both spellings given with different values (naming both), or
             ``checkpoint.save_path`` empty while saving is enabled (MindSpore raises
-            ``ValueError("save_path must be provided ...")`` for it too).
+            ``ValueError("save_path must be provided ...")`` for it too), or ``save_path`` a URL
+            other than ``file://`` (see :func:`resilience.local_paths.local_path`).
     """
     out = dict(data)
     for (src_section, src_key), (dst_section, dst_key) in ALIASES.items():
@@ -59,6 +61,8 @@ def normalize_aliases(data: Mapping[str, Any]) -> dict[str, Any]:
                 )
             out[src_section] = {k: v for k, v in src.items() if k != src_key}
             continue
+        if (src_section, src_key) == ("checkpoint", "save_path"):
+            value = check_local_path("checkpoint.save_path", value)  # the error names the key as the user spelt it
         dst = out.get(dst_section)
         dst = dict(dst) if isinstance(dst, Mapping) else {}
         if dst_key in dst and dst[dst_key] != value:

@@ -1,10 +1,22 @@
 """The requeue-loop guard: consecutive starts from the same ``LATEST`` mean no progress.
 
-A job that is preempted before it can save anything new (a signal during model building each
-time, a wall time shorter than the way to the first checkpoint) would be requeued forever.
-Rank 0 counts, in ``checkpoint_dir/.starts.json``, how many consecutive starts began from the
-same checkpoint; past the limit the run exits with ``ExitCode.NO_PROGRESS`` (76), which the
-Slurm templates never requeue. A new checkpoint resets the count; finishing removes the file.
+A job that never gets far enough to save anything new would be requeued forever: a crash (or a
+kill) before its first checkpoint each time, a signal during model building each time, a wall
+time shorter than the way to the first checkpoint. Rank 0 counts, in
+``checkpoint_dir/.starts.json``, the starts that began from the same checkpoint, in two kinds:
+
+* **failed**: the start never reported a clean end: it raised, crashed, was killed, or (seen
+  from ``resilience status``) is still running. ``checkpoint.max_restarts_without_progress``
+  (default 3) such starts and the next one exits ``ExitCode.NO_PROGRESS`` (76).
+* **preempted**: the start ended in an agreed stop, exit 75, with nothing new to publish (a
+  signal before its first step): a clean preemption, not a failure. These are bounded
+  separately and more loosely, by ``checkpoint.max_preemptions_without_progress`` (default 10),
+  so a job whose every start is preempted before it can checkpoint still ends, outside Slurm
+  too (under the Slurm templates ``slurm.max_restarts`` also bounds every requeue).
+
+Each start is recorded as running when it is counted; a clean stop marks it preempted. A new
+checkpoint resets the counts (the next start begins from another one); finishing removes the
+file. The templates never requeue 76.
 """
 
 from __future__ import annotations
@@ -13,7 +25,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from resilience.exit_codes import ExitCode
 
@@ -25,50 +37,88 @@ log = logging.getLogger("resilience")
 STARTS_FILE = ".starts.json"
 
 
-def must_end(ctx: DistContext, root: Path, resumed_from: Path | None, limit: int | None) -> bool:
+def must_end(ctx: DistContext, root: Path, resumed_from: Path | None, limit: int | None, preemption_limit: int | None = None) -> bool:
     """The guard at a run's start, a collective over ``ctx``: rank 0 counts this start from
-    ``resumed_from`` (``None``: a fresh start) and every rank learns whether the ``limit``
-    attempts before it saved nothing new. True (with the error logged) when this run must end
-    with ``ExitCode.NO_PROGRESS``; always False when ``limit`` is None."""
-    if limit is None:
+    ``resumed_from`` (``None``: a fresh start) and every rank learns whether the starts before it
+    from there exceed a limit (see :func:`verdict`). True (with the reason logged) when this run
+    must end with ``ExitCode.NO_PROGRESS``; always False when both limits are None."""
+    if limit is None and preemption_limit is None:
         return False
-    stop = None
+    why = None
     if ctx.rank == 0:
-        starts = count_start(root, resumed_from.name if resumed_from is not None else None)
-        stop = starts if no_progress(starts, limit) else None
-    stop = ctx.broadcast_object(stop)
-    if stop is None:
+        doc = count_start(root, resumed_from.name if resumed_from is not None else None)
+        why = verdict(doc["failed"], doc["preempted"], limit, preemption_limit)
+    why = ctx.broadcast_object(why)
+    if why is None:
         return False
     log.error(
-        "rank %d: this is start %d in a row from %s: the %d attempts before it saved no new checkpoint; "
-        "exiting with %d (NO_PROGRESS, not requeued). Fix the cause (a signal before the first step each "
-        "time, a wall time too short to reach a checkpoint), then delete %s to try again",
-        ctx.rank, stop, resumed_from.name if resumed_from else "a fresh start", stop - 1,
-        int(ExitCode.NO_PROGRESS), root / STARTS_FILE,
+        "rank %d: start from %s: %s; exiting with %d (NO_PROGRESS, not requeued). Fix the cause, then delete %s to try again",
+        ctx.rank, resumed_from.name if resumed_from else "a fresh start", why, int(ExitCode.NO_PROGRESS), root / STARTS_FILE,
     )
     return True
 
 
-def count_start(root: Path, resume_point: str | None) -> int:
-    """Record one start from ``resume_point`` (a checkpoint name, ``None`` for a fresh start);
-    returns how many consecutive starts, this one included, began from it (rank 0 only)."""
-    path = root / STARTS_FILE
+def read(root: Path) -> dict[str, Any] | None:
+    """The counts in ``root/.starts.json``: ``{"resume_point", "failed", "preempted", "running"}``,
+    or None when there is no readable file. A file of an older version (``{"resume_point",
+    "starts"}``, every start counted alike) reads as that many failed starts."""
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        doc = {}
-    starts = int(doc.get("starts", 0)) + 1 if doc.get("resume_point", "") == resume_point else 1
+        doc = json.loads((root / STARTS_FILE).read_text())
+        if "failed" in doc:
+            failed, preempted, running = int(doc["failed"]), int(doc.get("preempted", 0)), bool(doc.get("running"))
+        else:
+            failed, preempted, running = int(doc["starts"]), 0, False
+        return {"resume_point": doc.get("resume_point"), "failed": failed, "preempted": preempted, "running": running}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _write(root: Path, doc: dict[str, Any]) -> None:
+    path = root / STARTS_FILE
     root.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{STARTS_FILE}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps({"resume_point": resume_point, "starts": starts}))
+    tmp.write_text(json.dumps({**doc, "starts": doc["failed"] + doc["preempted"] + int(doc["running"])}))
     os.replace(tmp, path)
-    return starts
 
 
-def no_progress(starts: int, limit: int | None) -> bool:
-    """True when the ``limit`` attempts before this one all started from the same checkpoint as
-    this one and none of them saved a new one (``limit`` None: the guard is off)."""
-    return limit is not None and starts - 1 >= limit
+def before_next_start(doc: dict[str, Any], resume_point: str | None) -> tuple[int, int]:
+    """(failed, preempted): the earlier starts a start from ``resume_point`` counts, given the file's
+    ``doc``. A recorded start that never reported a clean end counts as failed."""
+    if doc is None or doc["resume_point"] != resume_point:
+        return 0, 0  # a new checkpoint since (or none counted yet): progress
+    return doc["failed"] + int(doc["running"]), doc["preempted"]
+
+
+def count_start(root: Path, resume_point: str | None) -> dict[str, Any]:
+    """Record one start from ``resume_point`` (a checkpoint name, ``None`` for a fresh start) as
+    running; returns the counts of the earlier starts from it (see :func:`read`; rank 0 only)."""
+    failed, preempted = before_next_start(read(root), resume_point)
+    doc = {"resume_point": resume_point, "failed": failed, "preempted": preempted, "running": True}
+    _write(root, doc)
+    return doc
+
+
+def record_clean_stop(root: Path, resume_point: str | None) -> None:
+    """Rank 0, once a stop was agreed and its checkpoint (if any) published: this start from
+    ``resume_point`` ended as a clean preemption (exit 75), not a failure. A start that saved a
+    new checkpoint is forgotten anyway: the next one begins from that."""
+    doc = read(root)
+    if doc is None or doc["resume_point"] != resume_point or not doc["running"]:
+        return
+    _write(root, {**doc, "preempted": doc["preempted"] + 1, "running": False})
+
+
+def verdict(failed: int, preempted: int, limit: int | None, preemption_limit: int | None) -> str | None:
+    """Why a start after ``failed`` failed and ``preempted`` cleanly preempted starts from the same
+    checkpoint must exit ``NO_PROGRESS``, or None when it may train (a limit of None is off)."""
+    if limit is not None and failed >= limit:
+        return (f"the {failed} starts before it from the same checkpoint ended without a clean stop (an exception, "
+                f"a crash or a kill) and saved nothing new (checkpoint.max_restarts_without_progress: {limit})")
+    if preemption_limit is not None and preempted >= preemption_limit:
+        return (f"the {preempted} starts before it from the same checkpoint were each preempted before they could "
+                f"save anything new (checkpoint.max_preemptions_without_progress: {preemption_limit}): a wall time "
+                "too short to reach a checkpoint, or a signal during start-up every time")
+    return None
 
 
 def reset(root: Path) -> None:

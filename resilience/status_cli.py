@@ -276,22 +276,25 @@ def inspect_root(root: Path, *, deep: bool = False) -> dict[str, Any]:
 
 
 def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:
-    """The requeue-loop guard's count (``.starts.json``, :mod:`resilience.progress_guard`) and
-    whether the next start from ``pick`` would exit 76; ``None`` when nothing is counted."""
-    from resilience.progress_guard import STARTS_FILE, no_progress
+    """The requeue-loop guard's counts (``.starts.json``, :mod:`resilience.progress_guard`) and
+    whether, and why, the next start from ``pick`` would exit 76; ``None`` when nothing is counted."""
+    from resilience.progress_guard import STARTS_FILE, before_next_start, read, verdict
 
-    try:
-        doc = json.loads((root / STARTS_FILE).read_text())
-        starts, point = int(doc["starts"]), doc.get("resume_point")
-    except (OSError, ValueError, KeyError, TypeError):
+    doc = read(root)
+    if doc is None:
         return None
-    limit: int | None = 3  # checkpoint.max_restarts_without_progress's default
     saved = saved_section(root / pick, "checkpoint") if pick is not None else {}
-    if "max_restarts_without_progress" in saved:
-        limit = saved["max_restarts_without_progress"]
-    same = point == pick
-    return {"file": str(root / STARTS_FILE), "resume_point": point, "starts": starts, "limit": limit,
-            "next_start_exits_no_progress": bool(same and isinstance(limit, int) and no_progress(starts + 1, limit))}
+    limit = saved.get("max_restarts_without_progress", 3)  # the defaults when the checkpoint does not say
+    preemption_limit = saved.get("max_preemptions_without_progress", 10)
+    limit = limit if isinstance(limit, int) else None
+    preemption_limit = preemption_limit if isinstance(preemption_limit, int) else None
+    failed, preempted = before_next_start(doc, pick)
+    why = verdict(failed, preempted, limit, preemption_limit)
+    return {"file": str(root / STARTS_FILE), "resume_point": doc["resume_point"],
+            "starts": doc["failed"] + doc["preempted"] + int(doc["running"]),
+            "failed": doc["failed"], "preempted": doc["preempted"], "running": doc["running"],
+            "limit": limit, "preemption_limit": preemption_limit,
+            "next_start_exits_no_progress": why is not None, "why": why}
 
 
 def format_status(doc: dict[str, Any]) -> str:
@@ -325,10 +328,12 @@ def format_status(doc: dict[str, Any]) -> str:
     lines += ["", f"Resume would pick: {resume['checkpoint'] or 'fresh start'}", f"  why: {resume['reason']}"]
     guard = doc.get("restart_guard")
     if guard is not None:
+        last = "; the last has not reported how it ended (still running, or crashed or killed): counted as failed" if guard["running"] else ""
         lines.append(f"  starts in a row from {guard['resume_point'] or 'a fresh start'}: {guard['starts']} "
-                     f"(checkpoint.max_restarts_without_progress: {guard['limit']})")
+                     f"(failed: {guard['failed']}, limit {guard['limit']}; preempted cleanly before saving anything "
+                     f"new: {guard['preempted']}, limit {guard['preemption_limit']}{last})")
         if guard["next_start_exits_no_progress"]:
-            lines.append(f"  the next start exits 76 (NO_PROGRESS) at once: fix the cause, then delete {guard['file']}")
+            lines.append(f"  the next start exits 76 (NO_PROGRESS) at once: {guard['why']}; fix the cause, then delete {guard['file']}")
     return "\n".join(lines)
 
 

@@ -88,7 +88,7 @@ CONFIGS = [
     ("save-max-and-max-recent", {"checkpoint": {"save_max": 2, "max_recent_checkpoints": 3}}, ["checkpoint.max_recent_checkpoints and checkpoint.save_max both set", "set one of them"]),
     ("consolidated-with-torch-save", {"checkpoint": {"save_consolidated": "every", "model_save_format": "torch_save"}}, ["checkpoint.save_consolidated", "needs checkpoint.model_save_format: safetensors"]),
     ("load-path-and-restore-from", {"checkpoint": {"load_path": "/a", "restore_from": "/b"}}, ["checkpoint.load_path and checkpoint.restore_from", "set one of them"]),
-    ("retention-on-a-url", {"checkpoint": {"checkpoint_dir": "s3://b/ck", "max_recent_checkpoints": 2}}, ["checkpoint.max_recent_checkpoints", "local (or mounted) path"]),
+    ("retention-on-a-url", {"checkpoint": {"checkpoint_dir": "s3://b/ck", "max_recent_checkpoints": 2}}, ["checkpoint.checkpoint_dir", "s3:// URLs are not supported", "a local or mounted path"]),
     ("two-spellings-disagree", {"checkpoint": {"save_path": "/a", "checkpoint_dir": "/b"}}, ["checkpoint.save_path", "checkpoint.checkpoint_dir", "give one of them"]),
     # bad signal specs
     ("signal-unknown-name", {"step_scheduler": {"preemption_signal": "SIGFOO"}}, [SIG, "unknown signal 'SIGFOO'", SIGNAL_FORMS]),

@@ -264,3 +264,44 @@ def test_two_ranks_each_write_a_part_and_one_process_reassembles_the_model(tmp_p
     restored = fresh_model()
     model_io.load_model(root / LATEST, restored)
     assert all(same(restored.state_dict()[k], expected[k]) for k in expected)
+
+
+# -- save_consolidated: final when the last step is also a periodic one ---------------------------
+class _NoLength:
+    """Batches from a list, with no ``__len__``: the loop cannot tell the last batch before the end."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def _train_to_the_end(root: Path, loader) -> int:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"step_scheduler": {"num_epochs": 1, "ckpt_every_steps": 2}, "checkpoint": {"checkpoint_dir": str(root)}}
+    with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=loader) as loop:
+        for step in loop:
+            model(step.batch).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert int(loop.exit_code) == 0
+    return model
+
+
+@pytest.mark.parametrize("loader_kind", ["with-length", "without-length"])
+def test_save_consolidated_final_writes_the_bundle_when_the_last_step_is_also_a_periodic_checkpoint(tmp_path, loader_kind):
+    batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    root = tmp_path / "ck"
+    model = _train_to_the_end(root, batches if loader_kind == "with-length" else _NoLength(batches))
+    last = (root / LATEST).resolve()
+    assert last.name == "epoch_0_step_4"
+    manifest = validate(last)
+    assert manifest["meta"]["reason"] == "final"
+    assert any(rel.startswith("model/consolidated/") for rel in manifest["files"]), "the bundle is in the manifest"
+    bundle = read_bundle(last / "model" / "consolidated")
+    assert set(bundle) == {"weight", "bias"}
+    assert all(torch.equal(bundle[k], v) for k, v in model.state_dict().items())
+    assert not (root / "epoch_0_step_2" / "model" / "consolidated").exists(), "only the last checkpoint has the bundle"

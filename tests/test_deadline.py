@@ -97,24 +97,67 @@ def test_lead_time_warning_in_the_loop_after_the_first_save(tmp_path, monkeypatc
     assert not any("signal_lead_s" in r.getMessage() for r in caplog.records)
 
 
-def test_requeue_loop_guard_counts_starts_from_the_same_checkpoint(tmp_path):
-    assert [progress_guard.count_start(tmp_path, None) for _ in range(3)] == [1, 2, 3]
-    assert progress_guard.count_start(tmp_path, "epoch_0_step_5") == 1, "a new checkpoint resets the count"
-    assert not progress_guard.no_progress(3, 3) and progress_guard.no_progress(4, 3)
-    assert not progress_guard.no_progress(100, None)
+def test_requeue_loop_guard_counts_failed_and_cleanly_preempted_starts_apart(tmp_path):
+    counts = [progress_guard.count_start(tmp_path, None)["failed"] for _ in range(3)]
+    assert counts == [0, 1, 2], "a start that never reported a clean end is a failed one"
+    progress_guard.record_clean_stop(tmp_path, None)  # the 3rd ended with an agreed stop
+    doc = progress_guard.count_start(tmp_path, None)
+    assert (doc["failed"], doc["preempted"]) == (2, 1)
+    assert progress_guard.count_start(tmp_path, "epoch_0_step_5")["failed"] == 0, "a new checkpoint resets the count"
+    assert progress_guard.verdict(2, 9, 3, 10) is None
+    assert "max_restarts_without_progress: 3" in progress_guard.verdict(3, 0, 3, 10)
+    assert "max_preemptions_without_progress: 10" in progress_guard.verdict(0, 10, 3, 10)
+    assert progress_guard.verdict(100, 100, None, None) is None
 
 
-def test_a_run_that_keeps_restarting_without_a_new_checkpoint_exits_no_progress(tmp_path):
-    """Each start is stopped before its first step (a stop file, as a batch script writes it on
-    an early signal): no new checkpoint, so the 3rd start in a row ends with NO_PROGRESS."""
+def _start(ckpt, stop, *overrides, env=()) -> int:
+    """One real start of tiny_train.py; a ``stop`` file that exists stops it before its first step."""
+    cmd = [sys.executable, str(TINY), str(ckpt), *overrides]
+    with launch(cmd, 1, env={"RANK": "0", "WORLD_SIZE": "1", "RESILIENCE_STOP_FILE": str(stop), **dict(env)}) as group:
+        return group.wait(timeout=60)
+
+
+@pytest.mark.timeout(300)
+def test_five_starts_preempted_before_the_first_step_do_not_trip_the_guard_and_the_sixth_trains(tmp_path):
+    """Clean preemptions (exit 75 from an agreed stop) are not failures: with the default limits
+    five starts in a row stopped before their first step are followed by a start that trains."""
     stop = tmp_path / "stop"
     stop.touch()
-    codes = []
-    for _ in range(3):
-        cmd = [sys.executable, str(TINY), str(tmp_path / "ck"), "checkpoint.max_restarts_without_progress=2"]
-        with launch(cmd, 1, env={"RANK": "0", "WORLD_SIZE": "1", "RESILIENCE_STOP_FILE": str(stop)}) as group:
-            codes.append(group.wait(timeout=60))
+    codes = [_start(tmp_path / "ck", stop) for _ in range(5)]
+    assert codes == [ExitCode.PREEMPTED] * 5
+    guard = progress_guard.read(tmp_path / "ck")
+    assert (guard["failed"], guard["preempted"], guard["running"]) == (0, 5, False)
+    stop.unlink()
+    assert _start(tmp_path / "ck", stop) == ExitCode.DONE
+    assert (tmp_path / "ck" / "epoch_0_step_40").is_dir()
+
+
+@pytest.mark.timeout(300)
+def test_a_run_that_keeps_being_preempted_before_it_can_save_exits_no_progress(tmp_path):
+    """Each start is stopped before its first step (a stop file, as a batch script writes it on
+    an early signal): no new checkpoint ever, so past max_preemptions_without_progress the next
+    start ends with NO_PROGRESS."""
+    stop = tmp_path / "stop"
+    stop.touch()
+    codes = [_start(tmp_path / "ck", stop, "checkpoint.max_preemptions_without_progress=2") for _ in range(3)]
     assert codes == [ExitCode.PREEMPTED, ExitCode.PREEMPTED, ExitCode.NO_PROGRESS]
+
+
+@pytest.mark.timeout(300)
+def test_starts_that_crash_before_a_checkpoint_still_trip_the_guard_and_a_preemption_between_does_not_reset_it(tmp_path):
+    """A start that raises (exit 1) before any checkpoint is a failed one; a clean preemption
+    between two of them neither counts as one nor resets the count: with
+    max_restarts_without_progress=2 the start after two crashes exits NO_PROGRESS without training."""
+    ckpt, stop = tmp_path / "ck", tmp_path / "stop"
+    limit = "checkpoint.max_restarts_without_progress=2"
+    crash = {"RAISE_AT_STEP": "3", "RAISE_RANK": "0"}
+    codes = [_start(ckpt, stop, limit, env=crash)]
+    stop.touch()
+    codes.append(_start(ckpt, stop, limit, env=crash))
+    stop.unlink()
+    codes += [_start(ckpt, stop, limit, env=crash), _start(ckpt, stop, limit)]
+    assert codes == [ExitCode.FAILED, ExitCode.PREEMPTED, ExitCode.FAILED, ExitCode.NO_PROGRESS]
+    assert not list(ckpt.glob("epoch_*"))
 
 
 @pytest.mark.multiproc

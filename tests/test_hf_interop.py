@@ -113,6 +113,44 @@ def test_tiny_causal_lm_trained_under_resilient_loop_loads_with_from_pretrained_
     assert AutoTokenizer.from_pretrained(consolidated)("w1 w2 w3")["input_ids"] == tokenizer("w1 w2 w3")["input_ids"]
 
 
+def test_tied_embeddings_are_exported_as_save_pretrained_writes_them_and_load_tied_with_from_pretrained(tmp_path):
+    torch.manual_seed(0)
+    config = tiny_config()
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    root = tmp_path / "ck"
+    train(model, root, max_steps=3, ckpt_every_steps=2)
+    model_dir = root / LATEST / "model"
+
+    # as save_pretrained writes a tied model: lm_head.weight left out, re-tied from config.json
+    reference = tmp_path / "save_pretrained"
+    model.save_pretrained(reference)
+    expected_keys = set(load_file(str(reference / "model.safetensors")))
+    consolidated = model_dir / "consolidated"
+    index = json.loads((consolidated / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == expected_keys and "lm_head.weight" not in expected_keys
+    assert set(load_file(str(consolidated / "model-00001-of-00001.safetensors"))) == expected_keys
+    shard_index = json.loads((model_dir / "shard_index.json").read_text())
+    assert shard_index["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}  # stored once in the shards too
+
+    loaded = AutoModelForCausalLM.from_pretrained(consolidated)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(logits(loaded, ids), logits(model, ids))
+
+    # a model untied by construction gets the stored embedding in its separate lm_head too
+    untied_config = tiny_config()
+    untied_config.tie_word_embeddings = False
+    untied = AutoModelForCausalLM.from_config(untied_config)
+    model_io.load_model(root / LATEST, untied)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    assert torch.equal(untied.lm_head.weight, model.model.embed_tokens.weight)
+    assert torch.equal(logits(untied, ids), logits(model, ids))
+
+
 def test_bf16_model_trained_in_fp32_is_consolidated_back_to_bf16_with_the_original_file_split(tmp_path):
     torch.manual_seed(0)
     base = tmp_path / "base_bf16"

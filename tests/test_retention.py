@@ -169,10 +169,11 @@ def test_plan_orders_by_step_not_by_name_or_time(tmp_path):
 
 @pytest.mark.parametrize("url", ["s3://bucket/ck", "gs://bucket/ck", "hdfs://nn/ck", "msc://profile/ck"])
 @pytest.mark.parametrize("key", ["max_recent_checkpoints", "save_max"])
-def test_remote_checkpoint_dir_with_retention_is_a_value_error_at_config_time(url, key):
-    with pytest.raises(ValueError, match=rf"checkpoint\.{key} is only supported for local"):
+def test_remote_checkpoint_dir_is_a_config_error_with_or_without_retention(url, key):
+    with pytest.raises(ConfigError, match=r"checkpoint\.checkpoint_dir=.*URLs are not supported"):
         config_from_dict({"checkpoint": {"checkpoint_dir": url, key: 3}})
-    config_from_dict({"checkpoint": {"checkpoint_dir": url}})  # without retention it is accepted
+    with pytest.raises(ConfigError, match=r"checkpoint\.checkpoint_dir=.*URLs are not supported"):
+        config_from_dict({"checkpoint": {"checkpoint_dir": url}})
 
 
 @pytest.mark.parametrize("value", [0, -1, True, "2", 1.5])

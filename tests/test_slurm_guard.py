@@ -1,5 +1,6 @@
 """The requeue-loop guard on the real local Slurm cluster: a job that keeps being stopped before
-it can save anything new ends with NO_PROGRESS (76) instead of requeueing forever."""
+it can save anything new ends with NO_PROGRESS (76) instead of requeueing forever
+(checkpoint.max_preemptions_without_progress: clean preemptions are bounded apart from failed starts)."""
 
 import pytest
 from test_slurm_e2e import attempts, submit
@@ -16,7 +17,7 @@ def test_a_job_that_makes_no_progress_stops_requeueing_with_76(slurm_cluster, tm
     job = submit(
         slurm_cluster,
         tmp_path / "guard",
-        "checkpoint.max_restarts_without_progress=1",
+        "checkpoint.max_preemptions_without_progress=1",
         "slurm.max_restarts=5",
         env={"RESILIENCE_TEST_PRELAUNCH_SLEEP": "5"},
     )

@@ -456,3 +456,25 @@ def test_advise_warns_when_a_stop_outlasts_torchruns_sigterm_budget(tmp_path, ca
         assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=61" in out
     doc = json.loads(run_cli(capsys, "advise", str(root), "--json")[1])
     assert bool(doc["warnings"]) == warned
+
+
+def test_status_tells_failed_from_cleanly_preempted_starts_and_says_why_the_next_start_would_exit_76(damaged, capsys):
+    code, out, _ = run_cli(capsys, "status", str(damaged), "--json")
+    pick = json.loads(out)["resume"]["checkpoint"]
+
+    def guard_for(**doc):
+        (damaged / ".starts.json").write_text(json.dumps({"resume_point": pick, **doc}))
+        _, text, _ = run_cli(capsys, "status", str(damaged))
+        _, js, _ = run_cli(capsys, "status", str(damaged), "--json")
+        return text, json.loads(js)["restart_guard"]
+
+    text, guard = guard_for(failed=0, preempted=5, running=False)
+    assert guard["preempted"] == 5 and guard["preemption_limit"] == 10 and guard["next_start_exits_no_progress"] is False
+    assert "preempted cleanly before saving anything new: 5" in text and "exits 76" not in text
+    # the last start never reported its end: counted as failed, and with it the limit is reached
+    text, guard = guard_for(failed=2, preempted=1, running=True)
+    assert guard["next_start_exits_no_progress"] is True and "max_restarts_without_progress: 3" in guard["why"]
+    assert "counted as failed" in text and "the next start exits 76 (NO_PROGRESS) at once: the 3 starts before it" in text
+    text, guard = guard_for(failed=0, preempted=10, running=False)
+    assert guard["next_start_exits_no_progress"] is True and "max_preemptions_without_progress: 10" in guard["why"]
+    assert "were each preempted before they could save anything new" in text

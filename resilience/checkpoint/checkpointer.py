@@ -27,7 +27,7 @@ from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound
 from resilience.checkpoint.staging import StagingBuffers
 from resilience.checkpoint.training_state import TrainingState
 from resilience.checkpoint.writer import Part, remove_leftovers, save_checkpoint
-from resilience.config import _URL, CheckpointConfig, ConfigError
+from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
 from resilience.state.rng import load_rng_state
 from resilience.state.step_scheduler import StepScheduler
@@ -58,6 +58,8 @@ class Checkpointer:
         self.run_config = run_config or {}
         self.run_id = run_id
         self.last_saved_step: int | None = None
+        self.last_saved_reason: str | None = None
+        """Why the checkpoint of ``last_saved_step`` was saved (``periodic``, ``final``, ``preemption``)."""
         self.lowest_val = LowestVal(self.root)
         self.resume_source: str | None = None
         """Where :meth:`find_resume_point`'s answer came from: ``latest``, ``restore_from``, ``load_path``."""
@@ -81,13 +83,13 @@ class Checkpointer:
         """Refuse a ``checkpoint_dir`` that cannot hold checkpoints, before any training and on
         every rank alike: rank 0 looks (creating the directory, as the first save would, and a
         probe file in it when saving), then broadcasts what it found, so no rank goes on to wait
-        in a collective for a peer that raised. URL-like directories are not checked.
+        in a collective for a peer that raised. (A URL never gets here: the configuration refuses it.)
 
         Raises:
             ConfigError: naming ``checkpoint.checkpoint_dir``: it (or a parent) is not a directory,
                 or, when saving, it cannot be created or written.
         """
-        if not self.config.enabled or _URL.match(self.config.checkpoint_dir):
+        if not self.config.enabled:
             return
         problem = _root_problem(self.root, saving=self.config.enable_save) if self.ctx.rank == 0 else None
         if self.ctx.distributed:
@@ -149,7 +151,7 @@ class Checkpointer:
             meta["val_metrics"] = json_safe(self.validation[step])
             meta["val_metric"] = {"key": key, "value": value}
         parts = self._parts(state, scheduler, reason, snapshot=self._async is not None)
-        self.last_saved_step = step
+        self.last_saved_step, self.last_saved_reason = step, reason
         self.training_rows = [row for row in self.training_rows if row.get("global_step", 0) > step]
         self.validation = {s: m for s, m in self.validation.items() if s > step}
 
@@ -170,6 +172,16 @@ class Checkpointer:
         if self._async is None:
             return None
         return self._async.wait(self.config.async_timeout_s)
+
+    def needs_final_save(self, step: int) -> bool:
+        """Whether the end of training at ``step`` must still save: ``step`` is unsaved, or it was
+        saved for another reason while ``save_consolidated: final`` wants the run's last checkpoint
+        to hold the Hugging Face bundle (a periodic save on the last step of a loader without a
+        length, which could not know it was the last; or a resume from such a checkpoint). The
+        re-save replaces that checkpoint, same name, as a save of the same step does."""
+        if self.last_saved_step != step:
+            return True
+        return self.config.save_consolidated == "final" and self.last_saved_reason != "final"
 
     @property
     def save_in_flight(self) -> bool:
@@ -295,7 +307,7 @@ class Checkpointer:
         if not weights_only:
             if self.ctx.rank == 0 and self.resume_source != "load_path":
                 self.lowest_val.reload()  # the best so far survives the restart
-            self.last_saved_step = restored.meta["global_step"]
+            self.last_saved_step, self.last_saved_reason = restored.meta["global_step"], restored.meta.get("reason")
         return restored
 
     @staticmethod

@@ -5,6 +5,11 @@ The bundle is what ``transformers`` ``from_pretrained``, vLLM and SGLang load::
     model/consolidated/
       model-00001-of-0000N.safetensors ...   tensors grouped as the shards' file index says
       model.safetensors.index.json           {"metadata": {"total_size": bytes}, "weight_map": {...}}
+
+Tied weights are in it once, as ``save_pretrained`` writes them: the alias (``lm_head.weight``
+tied to ``model.embed_tokens.weight``) is left out and ``from_pretrained`` ties it again from
+``config.json`` (``tie_word_embeddings``); the index's ``metadata.tied_weights`` records
+``{alias: canonical}`` for any other reader (``safetensors.torch.load_model`` needs no more).
       config.json  generation_config.json    copied from model/hf_metadata/ (a Hugging Face model)
       tokenizer files                        copied from model/hf_metadata/ (a tokenizer was given)
 
@@ -132,6 +137,16 @@ def read_layout(model_dir: Path) -> dict[str, dict[str, Any]]:
     return layout
 
 
+def read_aliases(model_dir: Path) -> dict[str, str]:
+    """``{alias: canonical}``: the tied keys stored once (``shard_index.json``'s ``aliases``);
+    ``{}`` for a checkpoint without them (no ties, or written before they were recorded)."""
+    try:
+        aliases = json.loads((model_dir / SHARD_INDEX).read_text()).get("aliases") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {str(k): str(v) for k, v in aliases.items()} if isinstance(aliases, dict) else {}
+
+
 def resolve_model_dir(directory: Path) -> Path:
     """``directory`` itself, or ``directory/model`` when given a checkpoint directory."""
     directory = Path(directory)
@@ -209,8 +224,11 @@ def write_bundle(
     nproc: int = 1,
     num_threads: int = 5,
     progress: bool = False,
+    aliases: dict[str, str] | None = None,
 ) -> list[str]:
     """Write the Hugging Face bundle of ``layout`` (see :func:`read_layout`) into ``out_dir``.
+    ``aliases`` (tied keys, ``{alias: canonical}``; not in ``layout``) go into the index's
+    ``metadata.tied_weights``, not into the files.
 
     Tensors come from ``fetch(key)`` (in memory, one process) or from the shards in ``model_dir``
     (``nproc`` worker processes, one output file at a time each, ``num_threads`` reader threads
@@ -256,7 +274,9 @@ def write_bundle(
         if bar is not None:
             bar.close()
     weight_map = {key: hf_file_name(layout[key]["file_index"], num_files) for key in sorted(layout)}
-    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    index: dict[str, Any] = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    if aliases:
+        index["metadata"]["tied_weights"] = dict(sorted(aliases.items()))
     (out_dir / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     written = sorted(set(weight_map.values())) + [HF_INDEX]
     if sidecar_dir is not None and sidecar_dir.is_dir():
@@ -348,7 +368,7 @@ def consolidate(
     try:
         written = write_bundle(
             tmp, layout, model_dir=model_dir, cast_dtype=cast_dtype, sidecar_dir=model_dir / HF_METADATA,
-            nproc=nproc, num_threads=num_threads, progress=progress,
+            nproc=nproc, num_threads=num_threads, progress=progress, aliases=read_aliases(model_dir),
         )
         for rel in written:
             fsync_file(tmp / rel)

@@ -57,6 +57,23 @@ def is_hf_model(model: torch.nn.Module) -> bool:
     return transformers is not None and isinstance(unwrap(model), transformers.PreTrainedModel)
 
 
+def tied_weight_keys(model: torch.nn.Module) -> set[str]:
+    """The state-dict keys a Hugging Face model declares tied to another (``lm_head.weight`` with
+    ``tie_word_embeddings``): the ones ``save_pretrained`` leaves out and ``from_pretrained``
+    ties again. Empty for any other model."""
+    if not is_hf_model(model):
+        return set()
+    inner = unwrap(model)
+    declared = getattr(inner, "all_tied_weights_keys", None)  # transformers >= 5: {tied key: source key}
+    if isinstance(declared, dict):
+        return set(declared)
+    keys: set[str] = set()
+    for prefix, module in inner.named_modules():  # transformers 4: per-class lists (or dicts) of names
+        names = getattr(module, "_tied_weights_keys", None) or ()
+        keys.update(f"{prefix}.{name}" if prefix else str(name) for name in names)
+    return keys
+
+
 def read_safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file (``__metadata__`` included); reads no tensor data.
 

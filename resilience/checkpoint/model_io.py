@@ -11,6 +11,10 @@
       consolidated/           the Hugging Face bundle, when checkpoint.save_consolidated asks for it
 
 Keys are plain module FQNs (no ``module.`` prefix), via ``torch.distributed.checkpoint.state_dict``.
+Tied weights (two keys, one tensor: ``head.weight`` is ``emb.weight``) are stored once, under the
+key a Hugging Face model keeps (``save_pretrained`` drops the tied ``lm_head.weight``; otherwise the
+first in state-dict order), with the tie recorded in ``shard_index.json`` as
+``"aliases": {"head.weight": "emb.weight"}``; loading gives every alias the stored tensor.
 The model is replicated (plain or DDP), so each rank already holds every tensor: the split into
 parts is a deterministic plan every rank computes alike, and rank 0 alone writes the index.
 Loading reads every shard on every rank, so it works under any world size. The consolidated file
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,8 @@ from resilience.checkpoint import dcp_io, hf_export
 from resilience.checkpoint.durable import FileRecord
 from resilience.checkpoint.layout import model_shard_name
 from resilience.checkpoint.safetensors_file import read_safetensors, write_safetensors
+
+log = logging.getLogger("resilience.checkpoint")
 
 MODEL_DIR = "model"
 SHARD_INDEX = f"{MODEL_DIR}/{consolidation.SHARD_INDEX}"
@@ -72,13 +79,17 @@ def save_model(
     tokenizer: Any = None,
     max_file_bytes: int = MAX_FILE_BYTES,
     state_dict: dict[str, torch.Tensor] | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> list[str | FileRecord]:
     """Write this rank's part of the model into ``staging/model/``; returns what it wrote: records
     of the files digested and fsync'd while written (weight shards, DCP files) and the relative
     paths of the rest (the caller fsyncs and digests those).
 
     ``state_dict`` is a snapshot of ``get_model_state_dict(model)`` (an asynchronous save writes
-    copies while training goes on); by default the live weights are read now.
+    copies while training goes on); by default the live weights are read now. ``aliases``
+    (``{alias: canonical}``, see :func:`tied_aliases`) names the tied keys; by default they are
+    found in ``state_dict``, which a snapshot of separate copies no longer shows, so a snapshot
+    comes with the aliases of the live model and without their keys. safetensors only.
 
     Call it on every rank: with ``save_format="torch_save"`` it is a collective over ``group``.
     ``consolidated`` adds ``model/consolidated/`` (rank 0, safetensors only); ``tokenizer`` (any
@@ -101,7 +112,32 @@ def save_model(
     state = state_dict if state_dict is not None else get_model_state_dict(model)
     if save_format == "torch_save":
         return _save_dcp(staging, state, rank=rank, group=group)
-    return _save_sharded(staging, model, state, rank=rank, world_size=world_size, consolidated=consolidated, tokenizer=tokenizer, max_file_bytes=max_file_bytes)
+    aliases = tied_aliases(model, state) if aliases is None else aliases
+    state = {key: t for key, t in state.items() if key not in aliases}
+    return _save_sharded(staging, model, state, rank=rank, world_size=world_size, consolidated=consolidated, tokenizer=tokenizer,
+                         max_file_bytes=max_file_bytes, aliases=aliases)
+
+
+def tied_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias: canonical}`` for the keys of ``state`` that are the very same tensor as another
+    key (same storage, offset, shape, strides and dtype: tied weights). Per group of tied keys the
+    canonical one is the first in state-dict order that a Hugging Face model does not declare
+    tied (:func:`hf_export.tied_weight_keys`), so ``lm_head.weight`` is the alias of
+    ``model.embed_tokens.weight`` as in ``save_pretrained``. Tensors that merely overlap are not
+    aliases (they are stored as copies)."""
+    declared = hf_export.tied_weight_keys(model)
+    groups: dict[tuple, list[str]] = {}
+    for key, t in state.items():
+        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.numel() == 0:
+            continue  # empty tensors may all report the same null data pointer
+        view = (str(t.device), t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        groups.setdefault(view, []).append(key)
+    aliases: dict[str, str] = {}
+    for keys in groups.values():
+        if len(keys) > 1:
+            canonical = next((key for key in keys if key not in declared), keys[0])
+            aliases.update({key: canonical for key in keys if key != canonical})
+    return aliases
 
 
 def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) -> None:
@@ -127,8 +163,34 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
         if set(tensors) != set(layout):
             differ = sorted(set(tensors) ^ set(layout))[:5]
             raise ValueError(f"{model_dir}: the shards and {consolidation.SHARD_INDEX} disagree on {differ}")
+        _restore_aliases(model_dir, tensors, consolidation.read_aliases(model_dir), live)
         if set(tensors) != set(live) or any(t is not live[key] for key, t in tensors.items()):
             set_model_state_dict(model, tensors)  # some did not fit in place (or keys differ: its error)
+
+
+def _restore_aliases(model_dir: Path, tensors: dict[str, torch.Tensor], aliases: dict[str, str], live: dict[str, torch.Tensor]) -> None:
+    """Give every saved alias its canonical key's tensor in ``tensors``. A model that ties them
+    (the same tensor) got it in place already; one that holds them as separate parameters (a
+    fresh model that never tied them) gets the values in both, and they stay separate: re-tying
+    would swap parameters the optimizer already holds (a Hugging Face model re-ties with
+    ``tie_weights()``, before its optimizer is made)."""
+    separate = []
+    for alias, canonical in aliases.items():
+        if canonical not in tensors:
+            raise ValueError(f"{model_dir}: {consolidation.SHARD_INDEX} ties {alias} to {canonical}, which is not saved")
+        mine, theirs = live.get(alias), live.get(canonical)
+        if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and _same_view(mine, theirs):
+            tensors[alias] = mine  # tied here too: loaded in place with its canonical key
+        else:
+            tensors[alias] = tensors[canonical]
+            separate.append(f"{alias} (= {canonical})")
+    if separate:
+        log.info("%s: saved tied, loaded into separate parameters of this model, which stay untied: %s", model_dir, ", ".join(separate))
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
 # -- torch_save: DCP -------------------------------------------------------------------------------
@@ -137,7 +199,8 @@ def _save_dcp(staging: Path, state: dict[str, torch.Tensor], *, rank: int, group
 
 
 # -- safetensors: per-rank shards ------------------------------------------------------------------
-def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.Tensor], *, rank: int, world_size: int, consolidated: bool, tokenizer: Any, max_file_bytes: int) -> list[str | FileRecord]:
+def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.Tensor], *, rank: int, world_size: int, consolidated: bool, tokenizer: Any,
+                  max_file_bytes: int, aliases: dict[str, str]) -> list[str | FileRecord]:
     for key, value in state.items():
         if isinstance(value, DTensor):
             raise NotImplementedError(
@@ -164,6 +227,7 @@ def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.
             }
             for key, t in state.items()
         },
+        "aliases": dict(sorted(aliases.items())),  # tied keys: stored once, under the canonical key
     }
     cpu = _cpu_copies(state)
     written: list[str | FileRecord] = []
@@ -188,7 +252,7 @@ def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.
     if consolidated:
         layout = consolidation.read_layout(staging / MODEL_DIR)
         out = staging / CONSOLIDATED_DIR
-        written += [f"{CONSOLIDATED_DIR}/{rel}" for rel in consolidation.write_bundle(out, layout, fetch=cpu, sidecar_dir=sidecars)]
+        written += [f"{CONSOLIDATED_DIR}/{rel}" for rel in consolidation.write_bundle(out, layout, fetch=cpu, sidecar_dir=sidecars, aliases=aliases)]
     return written
 
 

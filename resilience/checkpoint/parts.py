@@ -106,13 +106,17 @@ def _model_part(state: TrainingState, reason: str, *, config: CheckpointConfig, 
         written = model_io.save_model(held, state.model, rank=ctx.rank, tokenizer=state.tokenizer) if ctx.rank == 0 else []
         return Part("model", lambda d: _move_in(held, d, written))
     tensors = get_model_state_dict(state.model)
+    # Tied keys are found on the live tensors (a snapshot's separate copies no longer share) and
+    # are neither copied nor written: the tensor is stored once, the tie recorded.
+    aliases = model_io.tied_aliases(state.model, tensors) if fmt == "safetensors" else {}
+    tensors = {key: t for key, t in tensors.items() if key not in aliases}
     if buffers is not None:
         tensors = buffers.copy_in(tensors, prefix="model.")
     return Part(
         "model",
         lambda d: model_io.save_model(
             d, state.model, rank=ctx.rank, world_size=ctx.world_size, group=group,
-            save_format=fmt, consolidated=consolidated, tokenizer=state.tokenizer, state_dict=tensors,
+            save_format=fmt, consolidated=consolidated, tokenizer=state.tokenizer, state_dict=tensors, aliases=aliases,
         ),
         collective=fmt == "torch_save",
     )

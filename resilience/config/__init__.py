@@ -14,8 +14,7 @@ One module per section (:mod:`~resilience.config.step_scheduler`,
 
 from __future__ import annotations
 
-# _URL is private, but resilience.checkpoint.checkpointer imports it from here.
-from resilience.config.checkpoint import _URL, CheckpointConfig  # noqa: F401
+from resilience.config.checkpoint import CheckpointConfig
 from resilience.config.checks import ConfigError
 from resilience.config.loading import apply_overrides, config_from_dict, load_config
 from resilience.config.resilience_config import ResilienceConfig

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any
 
-from resilience.config.checks import ConfigError, check_bool, check_int
-
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+from resilience.config.checks import ConfigError, check_bool, check_int, check_local_path
 
 
 def _check_retention_and_mindspore_keys(cfg: "CheckpointConfig") -> None:
@@ -20,6 +17,7 @@ def _check_retention_and_mindspore_keys(cfg: "CheckpointConfig") -> None:
         raise ConfigError(f"checkpoint.async_timeout_s: expected a number of seconds > 0, got {cfg.async_timeout_s!r}")
     check_int("checkpoint.max_recent_checkpoints", cfg.max_recent_checkpoints, minimum=1, allow_none=True)
     check_int("checkpoint.max_restarts_without_progress", cfg.max_restarts_without_progress, minimum=1, allow_none=True)
+    check_int("checkpoint.max_preemptions_without_progress", cfg.max_preemptions_without_progress, minimum=1, allow_none=True)
     check_int("checkpoint.save_max", cfg.save_max, minimum=1, allow_none=True)
     if not isinstance(cfg.best_metric_key, str) or not cfg.best_metric_key:
         raise ConfigError(f"checkpoint.best_metric_key: expected a metric name, got {cfg.best_metric_key!r}")
@@ -35,12 +33,6 @@ def _check_retention_and_mindspore_keys(cfg: "CheckpointConfig") -> None:
         )
     if cfg.load_path is not None and cfg.restore_from is not None:
         raise ConfigError("checkpoint.load_path and checkpoint.restore_from both set: both name what to load; set one of them")
-    retention = "max_recent_checkpoints" if cfg.max_recent_checkpoints is not None else "save_max" if cfg.save_max is not None else None
-    if retention and _URL.match(str(cfg.checkpoint_dir)):
-        raise ConfigError(
-            f"checkpoint.{retention} is only supported for local checkpoint directories, and checkpoint.checkpoint_dir "
-            f"is the URL {cfg.checkpoint_dir!r}; unset checkpoint.{retention} or use a local (or mounted) path"
-        )
 
 
 def _save_consolidated(value: Any, model_save_format: str) -> Any:
@@ -67,7 +59,9 @@ class CheckpointConfig:
     enabled: bool = True
     """Write and resume checkpoints (default true). When false, preemption still stops cleanly."""
     checkpoint_dir: str = "checkpoints/"
-    """Root directory holding ``epoch_<E>_step_<S>/`` checkpoints and the ``LATEST`` pointer."""
+    """Root directory holding ``epoch_<E>_step_<S>/`` checkpoints and the ``LATEST`` pointer: a local or
+    mounted path; ``file:///abs`` is taken as ``/abs``, any other ``scheme://`` URL is a ``ConfigError``
+    (as for ``restore_from`` and ``load_path``)."""
     restore_from: str | None = None
     """A checkpoint directory (absolute, or a name under ``checkpoint_dir``) to resume from instead of
     ``LATEST``. It must exist and be valid: a missing one is an error, never a fresh start."""
@@ -75,7 +69,7 @@ class CheckpointConfig:
     """Resume automatically from ``LATEST`` when it exists (default true)."""
     max_recent_checkpoints: int | None = None
     """Keep the newest N checkpoints plus every pointer target (``LATEST``, ``LOWEST_VAL``, any other
-    top-level symlink or ``.txt`` pointer); null keeps everything (default). Local directories only."""
+    top-level symlink or ``.txt`` pointer); null keeps everything (default)."""
     best_metric_key: str = "default"
     """The validation metric that decides ``LOWEST_VAL`` (lower is better) when ``log_validation``
     gets several; with one metric that one is used (NeMo AutoModel semantics)."""
@@ -83,9 +77,14 @@ class CheckpointConfig:
     """Asynchronous saving (MindSpore ``async_save``): a save copies the state into reused host
     buffers and returns; a background thread writes, fsyncs and publishes it. Default false."""
     max_restarts_without_progress: int | None = 3
-    """Requeue-loop guard: after this many consecutive starts from the same ``LATEST`` (restarts
-    that produced no new checkpoint), exit with ``ExitCode.NO_PROGRESS`` (76), which the Slurm
-    templates never requeue (default 3; null disables)."""
+    """Requeue-loop guard: after this many starts from the same ``LATEST`` that saved no new
+    checkpoint and did not end in a clean preemption (an exception, a crash, a kill), the next
+    start exits with ``ExitCode.NO_PROGRESS`` (76), which the Slurm templates never requeue
+    (default 3; null disables). Clean preemptions count against ``max_preemptions_without_progress``."""
+    max_preemptions_without_progress: int | None = 10
+    """Requeue-loop guard for clean preemptions: after this many starts from the same ``LATEST``
+    that were each stopped (exit 75) before they could save anything new, the next start exits
+    76: the job never gets far enough to checkpoint (default 10; null disables)."""
     async_timeout_s: float = 600.0
     """Seconds any wait for an asynchronous save in flight may take before it raises (default 600)."""
     enable_save: bool = True
@@ -124,6 +123,9 @@ class CheckpointConfig:
         check_bool("checkpoint.resume", self.resume)
         if self.world_size_change not in ("strict", "elastic"):
             raise ConfigError(f"checkpoint.world_size_change: {self.world_size_change!r}; accepted: strict, elastic")
+        # Before anything reads them: an object-store URL is refused here, never a local folder named after it.
+        for key in ("checkpoint_dir", "restore_from", "load_path"):
+            setattr(self, key, check_local_path(f"checkpoint.{key}", getattr(self, key)))
         _check_retention_and_mindspore_keys(self)
         if not isinstance(self.checkpoint_dir, (str, os.PathLike)) or not str(self.checkpoint_dir).strip():
             raise ConfigError(f"checkpoint.checkpoint_dir: expected a non-empty path, got {self.checkpoint_dir!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from resilience.config.checks import ConfigError, check_int
+from resilience.config.checks import ConfigError, check_int, check_local_path
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 LAUNCHERS = ("resilience", "srun", "torchrun")
@@ -56,6 +56,8 @@ class SlurmConfig:
             value = getattr(self, key)
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"slurm.{key}: expected a non-empty string, got {value!r}")
+        for key in ("script", "output"):  # paths on the cluster's filesystem: an s3:// one would be a local folder
+            setattr(self, key, check_local_path(f"slurm.{key}", getattr(self, key)))
         if self.partition is not None and (not isinstance(self.partition, str) or not self.partition):
             raise ConfigError(f"slurm.partition: expected a partition name or null, got {self.partition!r}")
         check_int("slurm.nodes", self.nodes, minimum=1)
