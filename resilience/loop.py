@@ -35,10 +35,12 @@ from resilience.deadline import Deadline
 from resilience.distributed import DistContext
 from resilience.exit_codes import ExitCode
 from resilience.signals import SignalRecorder
+from resilience.teardown import release_at_exit
 from resilience.handshake import mark_ready_and_check_stop
 from resilience.slurm import run_id_from_env, signal_reach_warning
 from resilience.mindspore_compat import rescale_for_global_batch_size
 from resilience.state.data_position import epoch_iterator, loader_length, set_epoch
+from resilience.state.accumulation import micro_batches
 from resilience.state.step_scheduler import StepScheduler
 from resilience.state.worker_signals import shield_dataloader_workers
 from resilience import progress_guard
@@ -65,7 +67,14 @@ class Step:
     batch: Any
     is_val_step: bool = False
     """True when ``step_scheduler.val_every_steps`` divides ``global_step`` (NeMo AutoModel's name):
-    validate in this step's body and ``log_validation`` the result."""
+    validate in this step's body and ``log_validation`` the result (on every micro-batch of that
+    optimizer step: validate where ``is_optimizer_step`` is also True)."""
+    micro_step: int = 0
+    """0-based index of ``batch`` within its optimizer step (``step_scheduler.gradient_accumulation_steps``)."""
+    is_optimizer_step: bool = True
+    """True on the last micro-batch of an optimizer step: call ``optimizer.step()`` (and the LR
+    scheduler's) in this body; on the others only accumulate gradients (under DDP, inside
+    ``model.no_sync()``). Always True without gradient accumulation."""
 
 
 class ResilientLoop:
@@ -209,13 +218,16 @@ class ResilientLoop:
                 Checkpointer.restore_rng(restored)
                 restored = None
             position = None
-            for batch in iterator:
+            # One Step per micro-batch; all below runs once per optimizer step, between them.
+            for micro, is_optimizer_step, batch in micro_batches(iterator, sched_cfg.gradient_accumulation_steps):
                 number = scheduler.global_step + 1
                 is_val_step = bool(sched_cfg.val_every_steps) and number % sched_cfg.val_every_steps == 0
                 self._in_step = True
-                yield Step(number, scheduler.epoch, scheduler.batches_in_epoch, batch, is_val_step)
+                yield Step(number, scheduler.epoch, scheduler.batches_in_epoch + micro, batch, is_val_step, micro, is_optimizer_step)
+                if not is_optimizer_step:
+                    continue
                 self._in_step = False
-                scheduler.finish_step()
+                scheduler.finish_step(micro + 1)
                 self.timer.boundary()
                 stop = agreement.update(scheduler.global_step, max(self._pending(), self._deadline_flag()), propose_every_steps=self._proposed_cadence())
                 if scheduler.done:
@@ -387,6 +399,8 @@ def resilient_loop(
 
     Returns a :class:`ResilientLoop`; iterate it for :class:`Step` objects, then exit with
     ``loop.exit_code``. Constructing it is a collective when torch.distributed is initialised.
+    At interpreter exit, a DDP ``model``'s reducer is freed and then the default process group
+    destroyed (see :mod:`resilience.teardown`): scripts need no teardown lines of their own.
 
     Raises:
         ConfigError: invalid configuration (before any training).
@@ -398,4 +412,5 @@ def resilient_loop(
     if not isinstance(config, ResilienceConfig):
         config = config_from_dict(config)
     state = TrainingState(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, extra=dict(extra_state or {}), tokenizer=tokenizer)
+    release_at_exit(model)  # DDP's reducer, then the default group, freed at exit in the safe order
     return ResilientLoop(config, state)

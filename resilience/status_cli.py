@@ -105,6 +105,35 @@ def _check(path: Path, deep: bool) -> tuple[str, str | None, dict[str, Any]]:
     return "complete", None, meta if isinstance(meta, dict) else {}
 
 
+def _model_info(path: Path) -> dict[str, Any]:
+    """What ``path/model/`` holds, from its file names: ``model_format`` (``safetensors``,
+    ``torch_save`` or None), ``model_weights`` (``full``, ``adapters`` for a PEFT model, or None)
+    and ``hf_bundle`` (True when ``model/consolidated/`` has a Hugging Face index)."""
+    from resilience.checkpoint.consolidate import CONSOLIDATED, HF_INDEX, SHARD_INDEX
+    from resilience.checkpoint.hf_export import ADAPTER_WEIGHTS
+    from resilience.checkpoint.model_io import MODEL_DIR
+
+    model = path / MODEL_DIR
+    try:
+        names = set(os.listdir(model))
+    except OSError:
+        names = set()
+    fmt = weights = None
+    if ADAPTER_WEIGHTS in names:
+        fmt, weights = "safetensors", "adapters"
+    elif SHARD_INDEX in names or any(n.endswith(".safetensors") for n in names):
+        fmt, weights = "safetensors", "full"
+    elif ".metadata" in names or any(n.endswith(".distcp") for n in names):
+        fmt, weights = "torch_save", "full"  # DCP files
+    return {"model_format": fmt, "model_weights": weights, "hf_bundle": (model / CONSOLIDATED / HF_INDEX).is_file()}
+
+
+def _format_model(entry: dict[str, Any]) -> str:
+    if entry["model_format"] is None:
+        return "-"
+    return f"{entry['model_format']} {entry['model_weights']}" + (" +HF" if entry["hf_bundle"] else "")
+
+
 def _pointer_names(root: Path) -> list[str]:
     """``LATEST``, ``LOWEST_VAL`` and every other top-level pointer: a symlink to a bare name, or a
     ``NAME.txt`` holding a checkpoint name (or the name of a directory under ``root``)."""
@@ -176,6 +205,7 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
             "saved_at_unix": None,
             "reason": None,
             "world_size": None,
+            **_model_info(path),
             "run_id": None,
             "val_metric": None,
             "marked_bad": None,
@@ -304,10 +334,11 @@ def format_status(doc: dict[str, Any]) -> str:
     if doc["checkpoints"]:
         rows = [
             [e["name"], "-" if e["global_step"] is None else str(e["global_step"]), "-" if e["epoch"] is None else str(e["epoch"]),
-             e["saved_at"] or "-", human_size(e["size_bytes"]), e["state"], ",".join(e["pointers"]) or "-", _format_metric(e["val_metric"])]
+             e["saved_at"] or "-", human_size(e["size_bytes"]), e["state"], "-" if e["world_size"] is None else str(e["world_size"]),
+             _format_model(e), ",".join(e["pointers"]) or "-", _format_metric(e["val_metric"])]
             for e in doc["checkpoints"]
         ]
-        lines += _table(["NAME", "STEP", "EPOCH", "SAVED (UTC)", "SIZE", "STATE", "POINTERS", "VAL METRIC"], rows, right={1, 2, 4})
+        lines += _table(["NAME", "STEP", "EPOCH", "SAVED (UTC)", "SIZE", "STATE", "RANKS", "MODEL", "POINTERS", "VAL METRIC"], rows, right={1, 2, 4, 6})
         problems = []
         for e in doc["checkpoints"]:
             if e["marked_bad"] is not None:

@@ -8,6 +8,7 @@ inside the functions, so registering the command costs ``resilience run`` nothin
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -41,52 +42,100 @@ def _entry_ok(rel: Any, want: Any) -> bool:
     )
 
 
+def _check_files(directory: Path, files: dict[str, Any], result: dict[str, Any], advance: Callable[[int], object], prefix: str = "") -> None:
+    """Check each ``files`` entry (``{relative path: {"size", digest}}``, under ``directory``)
+    against the bytes on disk; failures are appended to ``result["failures"]`` named
+    ``prefix + path``, counts added to ``result``."""
+    from resilience.checkpoint.durable import entry_digest, file_digest
+
+    failures = result["failures"]
+    for rel, want in sorted(files.items()):
+        name = f"{prefix}{rel}"
+        if not _entry_ok(rel, want):
+            failures.append({"file": name, "problem": "malformed manifest entry (needs a relative path, an integer size and a digest)"})
+            continue
+        path = directory / rel
+        result["files_checked"] += 1
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            failures.append({"file": name, "problem": "missing"})
+            advance(want["size"])
+            continue
+        except OSError as exc:
+            failures.append({"file": name, "problem": f"unreadable ({exc.strerror})"})
+            advance(want["size"])
+            continue
+        if size != want["size"]:
+            failures.append({"file": name, "problem": f"{size} bytes, manifest says {want['size']} (truncated?)"})
+            advance(want["size"])
+            continue
+        algorithm, want_digest = entry_digest(want)
+        try:
+            digest = file_digest(path, algorithm, advance)
+        except OSError as exc:
+            failures.append({"file": name, "problem": f"unreadable ({exc.strerror})"})
+            continue
+        result["bytes_checked"] += size
+        if digest != want_digest:
+            failures.append({"file": name, "problem": "checksum mismatch (corrupted bytes)"})
+
+
+def _bundle(directory: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None, str | None]:
+    """``(state, files, problem)`` of ``model/consolidated/`` (the Hugging Face bundle). state:
+    None (no bundle, or one written with the checkpoint and so in its manifest), ``verified``
+    (written later, with ``bundle_manifest.json``: ``files`` are its entries), ``unverified``
+    (written later, without one) or ``failed`` (its bundle manifest is unreadable: ``problem``)."""
+
+    from resilience.checkpoint.consolidate import BUNDLE_MANIFEST
+    from resilience.checkpoint.model_io import CONSOLIDATED_DIR
+
+    bundle = directory / CONSOLIDATED_DIR
+    if not bundle.is_dir() or any(rel.startswith(CONSOLIDATED_DIR + "/") for rel in manifest["files"]):
+        return None, None, None
+    if not (bundle / BUNDLE_MANIFEST).exists():
+        return "unverified", None, None
+    try:
+        files = json.loads((bundle / BUNDLE_MANIFEST).read_text())["files"]
+        if not isinstance(files, dict):
+            raise TypeError("files is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return "failed", None, f"unreadable ({exc})"
+    return "verified", files, None
+
+
 def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: str | None, advance: Callable[[int], object]) -> dict[str, Any]:
     """Check every file ``manifest`` lists under ``directory``; every failure is reported.
 
     ``error`` is why the manifest could not be read (then ``manifest`` is None). ``advance(n)`` is
-    called with the bytes read or skipped, for a progress bar. Returns ``{"name", "ok",
-    "files_checked", "bytes_checked", "failures": [{"file", "problem"}], "marked_bad"}``.
+    called with the bytes read or skipped, for a progress bar. A Hugging Face bundle added after
+    the checkpoint was published (``model/consolidate.sh``) is checked against its own
+    ``bundle_manifest.json``; one without it is reported as unverified (not a failure). Returns
+    ``{"name", "ok", "files_checked", "bytes_checked", "failures": [{"file", "problem"}],
+    "marked_bad", "bundle"}`` (``bundle``: None, ``verified``, ``unverified`` or ``failed``).
     """
-    from resilience.checkpoint.durable import entry_digest, file_digest
+    from resilience.checkpoint.consolidate import BUNDLE_MANIFEST
     from resilience.checkpoint.layout import BAD_MARKER
+    from resilience.checkpoint.model_io import CONSOLIDATED_DIR
 
     result: dict[str, Any] = {"name": directory.name, "ok": True, "files_checked": 0, "bytes_checked": 0, "failures": [],
-                              "marked_bad": first_line(directory / BAD_MARKER) if (directory / BAD_MARKER).exists() else None}
-    failures = result["failures"]
+                              "marked_bad": first_line(directory / BAD_MARKER) if (directory / BAD_MARKER).exists() else None,
+                              "bundle": None}
     if manifest is None:
-        failures.append({"file": "manifest.json", "problem": error or "unreadable"})
+        result["failures"].append({"file": "manifest.json", "problem": error or "unreadable"})
     else:
-        for rel, want in sorted(manifest["files"].items()):
-            if not _entry_ok(rel, want):
-                failures.append({"file": str(rel), "problem": "malformed manifest entry (needs a relative path, an integer size and a digest)"})
-                continue
-            path = directory / rel
-            result["files_checked"] += 1
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                failures.append({"file": rel, "problem": "missing"})
-                advance(want["size"])
-                continue
-            except OSError as exc:
-                failures.append({"file": rel, "problem": f"unreadable ({exc.strerror})"})
-                advance(want["size"])
-                continue
-            if size != want["size"]:
-                failures.append({"file": rel, "problem": f"{size} bytes, manifest says {want['size']} (truncated?)"})
-                advance(want["size"])
-                continue
-            algorithm, want_digest = entry_digest(want)
-            try:
-                digest = file_digest(path, algorithm, advance)
-            except OSError as exc:
-                failures.append({"file": rel, "problem": f"unreadable ({exc.strerror})"})
-                continue
-            result["bytes_checked"] += size
-            if digest != want_digest:
-                failures.append({"file": rel, "problem": "checksum mismatch (corrupted bytes)"})
-    result["ok"] = not failures
+        _check_files(directory, manifest["files"], result, advance)
+        state, files, problem = _bundle(directory, manifest)
+        result["bundle"] = state
+        prefix = f"{CONSOLIDATED_DIR}/"
+        if problem is not None:
+            result["failures"].append({"file": prefix + BUNDLE_MANIFEST, "problem": problem})
+        elif files is not None:
+            before = len(result["failures"])
+            _check_files(directory / CONSOLIDATED_DIR, files, result, advance, prefix)
+            if len(result["failures"]) > before:
+                result["bundle"] = "failed"
+    result["ok"] = not result["failures"]
     return result
 
 
@@ -129,6 +178,11 @@ def format_verify(doc: dict[str, Any]) -> str:
             count = f", {len(r['failures'])} of {r['files_checked']} files" if r["files_checked"] else ""
             lines.append(f"{r['name']}: FAILED{count}{note}")
             lines += [f"  {f['file']}: {f['problem']}" for f in r["failures"]]
+        if r.get("bundle") == "verified":
+            lines.append("  model/consolidated/: verified against its bundle_manifest.json (written after the checkpoint)")
+        elif r.get("bundle") == "unverified":
+            lines.append("  model/consolidated/: unverified (written after the checkpoint, with no bundle_manifest.json; "
+                         "remove it and run model/consolidate.sh again to get one)")
     for name in doc["skipped"]:
         lines.append(f"{name}: skipped (not published)")
     failed = sum(not r["ok"] for r in doc["checkpoints"])

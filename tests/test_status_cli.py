@@ -478,3 +478,57 @@ def test_status_tells_failed_from_cleanly_preempted_starts_and_says_why_the_next
     text, guard = guard_for(failed=0, preempted=10, running=False)
     assert guard["next_start_exits_no_progress"] is True and "max_preemptions_without_progress: 10" in guard["why"]
     assert "were each preempted before they could save anything new" in text
+
+
+def _save_one(root: Path, model: torch.nn.Module, **checkpoint) -> Path:
+    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **checkpoint), DistContext())
+    return ck.save(TrainingState(model=model), StepScheduler(num_epochs=1, batches_in_epoch=1, global_step=1))
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def test_status_shows_model_format_world_size_hf_bundle_and_adapters(tmp_path, capsys):
+    peft = pytest.importorskip("peft")
+    kinds = {
+        "dcp": _save_one(tmp_path / "dcp", _mlp(), model_save_format="torch_save", save_consolidated=False),
+        "shards": _save_one(tmp_path / "shards", _mlp()),
+        "bundle": _save_one(tmp_path / "bundle", _mlp()),
+        "lora": _save_one(tmp_path / "lora", peft.get_peft_model(_mlp(), peft.LoraConfig(target_modules=["0"], r=2))),
+    }
+    assert run_cli(capsys, "consolidate", str(kinds["bundle"]))[0] == 0
+    want = {"dcp": ("torch_save", "full", False, "torch_save full"), "shards": ("safetensors", "full", False, "safetensors full"),
+            "bundle": ("safetensors", "full", True, "safetensors full +HF"), "lora": ("safetensors", "adapters", False, "safetensors adapters")}
+    for name, (fmt, weights, hf, shown) in want.items():
+        code, out, _ = run_cli(capsys, "status", str(tmp_path / name), "--json")
+        entry = json.loads(out)["checkpoints"][0]
+        assert (entry["model_format"], entry["model_weights"], entry["hf_bundle"], entry["world_size"]) == (fmt, weights, hf, 1), name
+        code, out, _ = run_cli(capsys, "status", str(tmp_path / name))
+        header, row = out.splitlines()[2:4]
+        assert "RANKS" in header and "MODEL" in header
+        assert re.search(rf"complete\s+1\s+{re.escape(shown)}\s", row), row
+
+
+def test_verify_checks_a_bundle_consolidated_after_the_checkpoint(tmp_path, capsys):
+    directory = _save_one(tmp_path, _mlp())
+    assert run_cli(capsys, "consolidate", str(directory))[0] == 0
+    bundle = directory / "model" / "consolidated"
+    code, out, _ = run_cli(capsys, "verify", str(directory), "--json", "--no-progress")
+    result = json.loads(out)["checkpoints"][0]
+    assert code == 0 and result["bundle"] == "verified"
+    assert result["files_checked"] == len(json.loads((directory / MANIFEST).read_text())["files"]) + len(
+        json.loads((bundle / "bundle_manifest.json").read_text())["files"])
+
+    weights = bundle / "model-00001-of-00001.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    code, out, _ = run_cli(capsys, "verify", str(directory), "--no-progress")
+    assert code == 1
+    assert "model/consolidated/model-00001-of-00001.safetensors: checksum mismatch" in out
+
+    (bundle / "bundle_manifest.json").unlink()
+    code, out, _ = run_cli(capsys, "verify", str(directory), "--no-progress")
+    assert code == 0 and "model/consolidated/: unverified" in out, "a bundle without its manifest is reported, not trusted"

@@ -238,6 +238,21 @@ def test_cli_output_file(tmp_path: Path) -> None:
     assert out.read_text() == render_slurm(load_config(cfg), config_path=str(cfg))
 
 
+def test_cli_accepts_overrides_after_the_output_option(tmp_path: Path, capsys) -> None:
+    """`resilience template slurm CFG -o FILE k=v`: positionals may follow options (intermixed)."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(CASES["single"]))
+    after, before = tmp_path / "after.sub", tmp_path / "before.sub"
+    overrides = ["slurm.nodes=2", "step_scheduler.max_steps=7"]
+    assert cli.main(["template", "slurm", str(cfg), "-o", str(after), *overrides]) == 0
+    assert cli.main(["template", "slurm", "-o", str(before), str(cfg), *overrides]) == 0
+    text = after.read_text()
+    assert text == before.read_text()
+    assert "#SBATCH --nodes=2\n" in text and f"--config {cfg} step_scheduler.max_steps=7" in text
+    assert cli.main(["status", str(tmp_path), "--bogus"]) == 2, "other commands still refuse unknown options"
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------
 # The rendered script's behaviour without Slurm: bash runs it with the variables Slurm would set,
 # `scontrol` is a stub that records its arguments, and the ranks are a small Python program (no

@@ -10,7 +10,7 @@ does a run that is preempted (SIGUSR1/SIGTERM) and resumed. Exits with ``resilie
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import math
 import os
 import random
@@ -91,29 +91,33 @@ def main(argv: list[str] | None = None) -> int:
     net = DistributedDataParallel(model) if world_size > 1 else model
     opt_cfg = extra["optimizer"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=float(opt_cfg["lr"]), weight_decay=float(opt_cfg["weight_decay"]))
-    total_steps = cfg.step_scheduler.max_steps or cfg.step_scheduler.num_epochs * len(loader)
+    accumulation = cfg.step_scheduler.gradient_accumulation_steps  # micro-batches per optimizer step
+    total_steps = cfg.step_scheduler.max_steps or cfg.step_scheduler.num_epochs * math.ceil(len(loader) / accumulation)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(int(opt_cfg["warmup_steps"]), total_steps))
 
     try:
         loop = resilient_loop(cfg, model=net, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=loader)
     except ConfigError as exc:  # e.g. checkpoint_dir is a file: every rank finds it before training
         print(f"rank {rank}: configuration error: {exc}", file=sys.stderr)
-        if world_size > 1:
-            del net
-            gc.collect()
-            dist.destroy_process_group()
         return int(ExitCode.CONFIG_ERROR)
     with loop:
+        loss_sum = 0.0
         for step in loop:
             x, y = step.batch
             net.train()
-            loss = F.cross_entropy(net(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            lr_scheduler.step()
-            loop.log(loss=loss.item(), lr=lr)
+            # Accumulating micro-batches: DDP all-reduces only in the optimizer step's backward.
+            sync = contextlib.nullcontext() if step.is_optimizer_step or world_size == 1 else net.no_sync()
+            with sync:
+                loss = F.cross_entropy(net(x), y)
+                (loss / accumulation).backward()
+            loss_sum += loss.item()
+            if step.is_optimizer_step:
+                lr = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                loop.log(loss=loss_sum, lr=lr)
+                loss_sum = 0.0
 
     if loop.exit_code == ExitCode.DONE and rank == 0:
         model.eval()
@@ -123,13 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank 0: done at step {loop.scheduler.global_step}, test accuracy {accuracy:.3f}", flush=True)
     elif loop.exit_code == ExitCode.PREEMPTED:
         print(f"rank {rank}: preempted, saved step {loop.stop_step}, exit {int(loop.exit_code)}", flush=True)
-    code = int(loop.exit_code)
-    if world_size > 1:
-        # Free DDP before the group: either alive at interpreter exit can abort (torch 2.13 + gloo).
-        del net, loop
-        gc.collect()
-        dist.destroy_process_group()
-    return code
+    # No teardown here: at exit, resilient_loop() frees DDP, then destroys the process group.
+    return int(loop.exit_code)
 
 
 if __name__ == "__main__":

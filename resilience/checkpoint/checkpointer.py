@@ -26,6 +26,7 @@ from resilience.checkpoint.parts import checkpoint_parts, epoch_of
 from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, find_resume_checkpoint, load_verified
 from resilience.checkpoint.staging import StagingBuffers
 from resilience.checkpoint.training_state import TrainingState
+from resilience.checkpoint.world_size import world_size_problem
 from resilience.checkpoint.writer import Part, remove_leftovers, save_checkpoint
 from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
@@ -85,20 +86,29 @@ class Checkpointer:
         probe file in it when saving), then broadcasts what it found, so no rank goes on to wait
         in a collective for a peer that raised. (A URL never gets here: the configuration refuses it.)
 
+        The same broadcast carries the strict world-size check (:mod:`resilience.checkpoint.world_size`).
+
         Raises:
             ConfigError: naming ``checkpoint.checkpoint_dir``: it (or a parent) is not a directory,
-                or, when saving, it cannot be created or written.
+                or, when saving, it cannot be created or written; naming
+                ``checkpoint.world_size_change``: the checkpoint to resume was saved under another
+                world size and the setting is ``strict``.
         """
         if not self.config.enabled:
             return
-        problem = _root_problem(self.root, saving=self.config.enable_save) if self.ctx.rank == 0 else None
+        problem = resized = None
+        if self.ctx.rank == 0:
+            problem = _root_problem(self.root, saving=self.config.enable_save)
+            resized = None if problem else world_size_problem(self.config, self.root, self.ctx.world_size)
         if self.ctx.distributed:
-            problem = self.ctx.broadcast_object(problem)
+            problem, resized = self.ctx.broadcast_object((problem, resized))
         if problem:
             raise ConfigError(
                 f"checkpoint.checkpoint_dir={self.config.checkpoint_dir!r}: {problem}; accepted: a directory "
                 "(existing, or one that can be created) that every rank's process can write"
             )
+        if resized:
+            raise ConfigError(resized)
 
     def record_validation(self, global_step: int, metrics: dict[str, Any]) -> tuple[str, float | None]:
         """Remember ``metrics`` for the checkpoint of ``global_step``; returns the deciding metric.

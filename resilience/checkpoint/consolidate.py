@@ -39,13 +39,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from resilience.checkpoint.durable import fsync_dir, fsync_file
+from resilience.checkpoint.durable import fsync_dir, fsync_file, record, write_bytes
 from resilience.checkpoint.hf_export import ADAPTER_CONFIG, ST_DTYPES, read_safetensors_header
 
 log = logging.getLogger("resilience.consolidate")
 
 CONSOLIDATED = "consolidated"
 HF_INDEX = "model.safetensors.index.json"
+BUNDLE_MANIFEST = "bundle_manifest.json"
+"""Written last into a bundle made after its checkpoint was published (consolidate.sh,
+``resilience consolidate``): each file's size and digest, for ``resilience verify``. A bundle
+written with the checkpoint (``save_consolidated``) is in the checkpoint's own manifest instead."""
 HF_METADATA = "hf_metadata"
 SHARD_INDEX = "shard_index.json"
 ORDINARY_FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -372,6 +376,7 @@ def consolidate(
         )
         for rel in written:
             fsync_file(tmp / rel)
+        write_bundle_manifest(tmp, written)
         fsync_dir(tmp)
         _replace_dir(tmp, out)
     except BaseException:
@@ -379,6 +384,16 @@ def consolidate(
         raise
     log.info("wrote %s", out)
     return out
+
+
+def write_bundle_manifest(out_dir: Path, files: Iterable[str]) -> None:
+    """Write ``out_dir/bundle_manifest.json``: ``{"files": {name: {"size", digest}}}`` for
+    ``files`` (relative to ``out_dir``, already durable), read back to digest them; under a
+    temporary name, fsync'd, then renamed, so it is whole or absent."""
+    entries = {rel: record(out_dir, rel).manifest_entry() for rel in sorted(files)}
+    tmp = out_dir / f".{BUNDLE_MANIFEST}.tmp"
+    write_bytes(tmp, (json.dumps({"files": entries}, indent=2, sort_keys=True) + "\n").encode())
+    os.replace(tmp, out_dir / BUNDLE_MANIFEST)
 
 
 def _replace_dir(new: Path, out: Path) -> None:

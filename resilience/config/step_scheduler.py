@@ -17,6 +17,12 @@ class StepSchedulerConfig:
     """Epochs to train (default 1). Training ends at ``num_epochs`` or ``max_steps``, whichever first."""
     max_steps: int | None = None
     """Optimizer steps to train in total, or null for no step limit (default null)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (default 1). The loop yields one :class:`~resilience.loop.Step`
+    per micro-batch; ``Step.is_optimizer_step`` marks the last one of each optimizer step (the body
+    steps the optimizer then). ``global_step`` and every ``*_every_steps`` count optimizer steps,
+    and checkpoints, stops and the data position fall only between optimizer steps. An epoch whose
+    batch count is not a multiple ends with a shorter optimizer step (Lightning's rule)."""
     ckpt_every_steps: int | None = None
     """Save every N global steps (default null: save only at the end and on preemption)."""
     preemption_signal: Any = DEFAULT_PREEMPTION_SIGNAL
@@ -55,6 +61,7 @@ class StepSchedulerConfig:
         check_int("step_scheduler.val_every_steps", self.val_every_steps, minimum=1, allow_none=True)
         check_int("step_scheduler.num_epochs", self.num_epochs, minimum=1)
         check_int("step_scheduler.max_steps", self.max_steps, minimum=1, allow_none=True)
+        check_int("step_scheduler.gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
         check_int("step_scheduler.ckpt_every_steps", self.ckpt_every_steps, minimum=1, allow_none=True)
         if self.agreement_every_steps != "auto":
             try:

@@ -9,7 +9,8 @@ import dataclasses
 class StepScheduler:
     """Counters of a run. ``global_step`` counts optimizer steps completed (the first step is 1).
 
-    ``batches_in_epoch`` counts batches of ``epoch`` already consumed (the data position).
+    ``batches_in_epoch`` counts loader batches of ``epoch`` already consumed (the data position;
+    with gradient accumulation, micro-batches).
     Training ends after ``num_epochs`` epochs or ``max_steps`` steps, whichever comes first.
     """
 
@@ -24,10 +25,10 @@ class StepScheduler:
         """True when no further step should run."""
         return self.epoch >= self.num_epochs or (self.max_steps is not None and self.global_step >= self.max_steps)
 
-    def finish_step(self) -> None:
-        """Count one completed optimizer step."""
+    def finish_step(self, batches: int = 1) -> None:
+        """Count one completed optimizer step made of ``batches`` loader batches (micro-batches)."""
         self.global_step += 1
-        self.batches_in_epoch += 1
+        self.batches_in_epoch += batches
 
     def finish_epoch(self) -> None:
         """Move to the next epoch's first batch."""

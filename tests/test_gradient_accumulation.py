@@ -1,0 +1,67 @@
+"""Gradient accumulation (``step_scheduler.gradient_accumulation_steps``): one Step per
+micro-batch, and everything that needs a consistent state (checkpoints, stops, the data
+position) only between optimizer steps, so a preempted and resumed run is bitwise exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from runs import compare, latest_name, run
+
+from resilience import ExitCode, resilient_loop
+from resilience.checkpoint.manifest import validate
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata's set_vital deprecation
+
+# 2 ranks x 16 samples: 44 micro-batches per epoch and rank; 3 per step: 14 steps of 3 and one of 2.
+ACCUMULATED = ["step_scheduler.num_epochs=2", "step_scheduler.gradient_accumulation_steps=3",
+               "data.global_batch_size=32", "step_scheduler.ckpt_every_steps=20"]
+
+
+@pytest.mark.timeout(60)
+def test_micro_batches_group_into_optimizer_steps_and_an_epoch_tail_is_a_short_step(tmp_path):
+    model = torch.nn.Linear(2, 1)
+    batches = [torch.full((1, 2), float(i)) for i in range(7)]
+    config = {"step_scheduler": {"num_epochs": 2, "gradient_accumulation_steps": 3, "preemption_signal": None},
+              "checkpoint": {"checkpoint_dir": str(tmp_path)}}
+    loop = resilient_loop(config, model=model, dataloader=batches)
+    seen = []
+    with loop:
+        for step in loop:
+            seen.append((step.global_step, step.epoch, step.batch_index, step.micro_step, step.is_optimizer_step, int(step.batch[0, 0])))
+    assert loop.exit_code == ExitCode.DONE
+    epoch = [(1, 0, 0, False), (1, 1, 1, False), (1, 2, 2, True), (2, 3, 0, False), (2, 4, 1, False), (2, 5, 2, True), (3, 6, 0, True)]
+    want = [(g, 0, i, m, last, i) for g, i, m, last in epoch] + [(g + 3, 1, i, m, last, i) for g, i, m, last in epoch]
+    assert seen == want, "global_step counts optimizer steps; the epoch's 7th batch is a 1-batch step"
+    final = validate(tmp_path / latest_name(tmp_path))["meta"]
+    assert final["global_step"] == 6
+    counters = json.loads((tmp_path / latest_name(tmp_path) / "step_scheduler.json").read_text())
+    assert counters == {"epoch": 2, "batches_in_epoch": 0, "global_step": 6}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("signal_rank", [1])
+def test_accumulating_two_rank_run_preempted_through_one_rank_resumes_bitwise_exact(tmp_path, signal_rank):
+    reference = tmp_path / "reference"
+    assert run(reference, 2, overrides=ACCUMULATED).codes == [ExitCode.DONE] * 2
+    steps = [json.loads(line)["global_step"] for line in (reference / "training.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 31)), "one logged row per optimizer step: 15 per epoch"
+
+    resumed = tmp_path / "resumed"
+    first = run(resumed, 2, overrides=ACCUMULATED, signal_rank=signal_rank, signal_at_step=8)
+    assert first.codes == [ExitCode.PREEMPTED] * 2
+    manifest = validate(resumed / latest_name(resumed))
+    stop_step = manifest["meta"]["global_step"]
+    assert 8 <= stop_step < 30 and manifest["meta"]["reason"] == "preemption"
+    counters = json.loads((resumed / latest_name(resumed) / "step_scheduler.json").read_text())
+    epoch_steps = stop_step - 15 * counters["epoch"]
+    assert counters["batches_in_epoch"] == min(3 * epoch_steps, 44), "the saved data position is an optimizer-step boundary"
+
+    second = run(resumed, 2, overrides=ACCUMULATED)
+    assert second.codes == [ExitCode.DONE] * 2
+    result = compare(resumed, reference)
+    assert result.identical, result.detail
+    assert result.steps == 30
