@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,6 +151,45 @@ def test_tied_embeddings_are_exported_as_save_pretrained_writes_them_and_load_ti
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
     assert torch.equal(untied.lm_head.weight, model.model.embed_tokens.weight)
     assert torch.equal(logits(untied, ids), logits(model, ids))
+
+
+def test_embeddings_tied_by_hand_against_the_config_are_in_both_bundles_and_load_with_from_pretrained(tmp_path):
+    """A Llama whose config says ``tie_word_embeddings=False`` but whose ``lm_head.weight`` was tied
+    to the embedding by hand: ``from_pretrained`` would not re-tie it, so both the bundle written
+    at save time and a later ``resilience consolidate`` (worker processes, several files) must
+    hold ``lm_head.weight`` as a copy, or it would be initialised randomly."""
+    torch.manual_seed(0)
+    config = tiny_config()
+    config.tie_word_embeddings = False
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_config(config).save_pretrained(base, max_shard_size="40KB")  # several files
+    model = AutoModelForCausalLM.from_pretrained(base)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    root = tmp_path / "ck"
+    train(model, root, max_steps=3)
+    model_dir = (root / LATEST).resolve() / "model"
+    shard_index = json.loads((model_dir / "shard_index.json").read_text())
+    assert shard_index["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}  # stored once in the shards
+    validate(model_dir.parent)  # the bundle's copy is in the manifest as written
+
+    later = tmp_path / "later"
+    run = subprocess.run(
+        [sys.executable, "-m", "resilience", "consolidate", str(model_dir), "--output", str(later), "--nproc", "2", "--no-progress"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert run.returncode == 0, run.stderr
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(7))
+    for bundle in (model_dir / "consolidated", later):
+        index = json.loads((bundle / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"]) == set(model.state_dict()), bundle
+        assert len(set(index["weight_map"].values())) > 1, "several output files: worker processes ran"
+        stored = load_file(str(bundle / index["weight_map"]["lm_head.weight"]))["lm_head.weight"]
+        assert torch.equal(stored, model.model.embed_tokens.weight.detach())
+        assert index["metadata"]["tied_weights"] == {"lm_head.weight": "model.embed_tokens.weight"}
+        loaded = AutoModelForCausalLM.from_pretrained(bundle)
+        assert torch.equal(loaded.lm_head.weight, model.lm_head.weight.detach()), bundle
+        assert torch.equal(logits(loaded, ids), logits(model, ids)), bundle
+    assert shard_index["bundle_omits"] == []  # recorded at save time, for consolidate.sh
 
 
 def test_bf16_model_trained_in_fp32_is_consolidated_back_to_bf16_with_the_original_file_split(tmp_path):

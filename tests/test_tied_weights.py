@@ -1,5 +1,6 @@
 """Tied weights (two keys, one tensor) are stored once with the tie recorded, and come back tied
-into a model that ties them and with equal values into one that does not.
+into a model that ties them and with equal values into one that does not. The Hugging Face bundle
+holds a copy of every alias the model does not declare tied (nothing would tie it again).
 
 Real saves through ``resilient_loop``; the shards and the Hugging Face bundle are read back from
 disk. The Hugging Face side (``from_pretrained`` of a tied bundle) is in ``test_hf_interop.py``.
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from resilience import resilient_loop
 from resilience.checkpoint import model_io
+from resilience.checkpoint.consolidate import consolidate
 from resilience.checkpoint.hf_export import read_safetensors_header
 from resilience.checkpoint.layout import LATEST
 from resilience.checkpoint.manifest import validate
@@ -74,7 +77,7 @@ def stored_keys(model_dir: Path, pattern: str) -> list[str]:
     return keys
 
 
-def test_tied_weights_are_stored_once_in_shards_and_bundle_with_the_tie_recorded(tmp_path):
+def test_tied_weights_are_stored_once_with_the_tie_recorded_and_an_undeclared_tie_is_copied_into_the_bundle(tmp_path):
     model = train(tmp_path / "ck", max_steps=3)  # save_consolidated: final (default)
     final = (tmp_path / "ck" / LATEST).resolve()
     validate(final)  # digests of what was written, as written
@@ -84,11 +87,31 @@ def test_tied_weights_are_stored_once_in_shards_and_bundle_with_the_tie_recorded
     assert index["aliases"] == {"head.weight": "emb.weight"}
     assert "head.weight" not in index["tensors"] and "head.weight" not in index["weight_map"]
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for k, t in model.state_dict().items() if k != "head.weight")
+    assert index["bundle_omits"] == []  # not a Hugging Face model: nothing would tie it again on loading
     bundle = model_dir / "consolidated"
-    assert sorted(stored_keys(bundle, "model-*.safetensors")) == ["emb.weight", "mid.bias", "mid.weight"]
+    assert sorted(stored_keys(bundle, "model-*.safetensors")) == ["emb.weight", "head.weight", "mid.bias", "mid.weight"]
     bundle_index = json.loads((bundle / "model.safetensors.index.json").read_text())
-    assert "head.weight" not in bundle_index["weight_map"]
+    assert bundle_index["weight_map"]["head.weight"] == bundle_index["weight_map"]["emb.weight"]
     assert bundle_index["metadata"]["tied_weights"] == {"head.weight": "emb.weight"}
+    assert bundle_index["metadata"]["total_size"] == sum(t.numel() * 4 for t in model.state_dict().values())
+    exported = load_file(str(bundle / bundle_index["weight_map"]["head.weight"]))
+    assert torch.equal(exported["head.weight"], model.emb.weight.detach()) and torch.equal(exported["emb.weight"], model.emb.weight.detach())
+
+
+def test_a_checkpoint_saved_before_bundle_omits_copies_its_aliases_unless_its_config_declares_tied_embeddings(tmp_path):
+    train(tmp_path / "ck", max_steps=2, save_consolidated=False)
+    model_dir = (tmp_path / "ck" / LATEST).resolve() / "model"
+    index_path = model_dir / "shard_index.json"
+    index = json.loads(index_path.read_text())
+    del index["bundle_omits"]  # as written before the field existed
+    index_path.write_text(json.dumps(index))
+    out = consolidate(model_dir, tmp_path / "no_config", progress=False)
+    assert sorted(stored_keys(out, "model-*.safetensors")) == ["emb.weight", "head.weight", "mid.bias", "mid.weight"]
+    (model_dir / "hf_metadata").mkdir()
+    (model_dir / "hf_metadata" / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    out = consolidate(model_dir, tmp_path / "tied_config", progress=False)
+    assert sorted(stored_keys(out, "model-*.safetensors")) == ["emb.weight", "mid.bias", "mid.weight"]
+    assert json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["tied_weights"] == {"head.weight": "emb.weight"}
 
 
 def test_a_tied_checkpoint_loads_into_a_fresh_untied_model_with_the_stored_tensor_in_both_parameters(tmp_path):

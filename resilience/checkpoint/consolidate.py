@@ -6,10 +6,14 @@ The bundle is what ``transformers`` ``from_pretrained``, vLLM and SGLang load::
       model-00001-of-0000N.safetensors ...   tensors grouped as the shards' file index says
       model.safetensors.index.json           {"metadata": {"total_size": bytes}, "weight_map": {...}}
 
-Tied weights are in it once, as ``save_pretrained`` writes them: the alias (``lm_head.weight``
-tied to ``model.embed_tokens.weight``) is left out and ``from_pretrained`` ties it again from
-``config.json`` (``tie_word_embeddings``); the index's ``metadata.tied_weights`` records
-``{alias: canonical}`` for any other reader (``safetensors.torch.load_model`` needs no more).
+Tied weights a Hugging Face model declares are in it once, as ``save_pretrained`` writes them: the
+alias (``lm_head.weight`` tied to ``model.embed_tokens.weight`` with ``tie_word_embeddings``) is
+left out and ``from_pretrained`` ties it again from ``config.json``. Every other alias (a tie made
+by hand that the config does not declare, any tie of a non-Hugging Face model) is written as a
+full copy of its canonical tensor under its own key, since nothing would fill it in on loading.
+``shard_index.json``'s ``bundle_omits`` (recorded at save time, when the model is at hand) says
+which aliases are left out (see :func:`read_bundle_omits`); the bundle index's
+``metadata.tied_weights`` records every ``{alias: canonical}`` for any other reader.
       config.json  generation_config.json    copied from model/hf_metadata/ (a Hugging Face model)
       tokenizer files                        copied from model/hf_metadata/ (a tokenizer was given)
 
@@ -151,6 +155,49 @@ def read_aliases(model_dir: Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in aliases.items()} if isinstance(aliases, dict) else {}
 
 
+def read_bundle_omits(model_dir: Path, aliases: dict[str, str]) -> set[str]:
+    """The aliases the bundle leaves out: those the model declares tied, so that
+    ``from_pretrained`` ties them again (``shard_index.json``'s ``bundle_omits``, recorded at save
+    time from :func:`hf_export.tied_weight_keys`). Every other alias of ``aliases`` is exported as
+    a copy of its canonical tensor.
+
+    A checkpoint saved before ``bundle_omits`` was recorded: all its aliases are left out when its
+    ``hf_metadata/config.json`` says ``tie_word_embeddings: true`` (the Hugging Face models those
+    checkpoints tied), none otherwise (no config, ``false``, or unreadable), so a bundle may hold
+    a redundant copy but never lacks a weight that ``from_pretrained`` would initialise randomly.
+    """
+    try:
+        index = json.loads((model_dir / SHARD_INDEX).read_text())
+    except (OSError, ValueError):
+        index = {}
+    omits = index.get("bundle_omits") if isinstance(index, dict) else None
+    if isinstance(omits, list):
+        return {str(key) for key in omits} & set(aliases)
+    try:
+        config = json.loads((model_dir / HF_METADATA / "config.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    return set(aliases) if isinstance(config, dict) and config.get("tie_word_embeddings") is True else set()
+
+
+def with_alias_copies(layout: dict[str, dict[str, Any]], aliases: dict[str, str], omits: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """``layout`` plus an entry per alias the bundle holds as a copy (every alias not in
+    ``omits``): its canonical key's entry (same dtype, shape, output file) with ``"source"``, the
+    key whose tensor it copies. Entries of ``layout`` itself are their own source.
+
+    Raises:
+        ConsolidateError: an alias's canonical key is not in ``layout``.
+    """
+    out = dict(layout)
+    for alias, canonical in sorted(aliases.items()):
+        if alias in omits:
+            continue
+        if canonical not in layout:
+            raise ConsolidateError(f"{SHARD_INDEX} ties {alias} to {canonical}, which is not saved")
+        out[alias] = {**layout[canonical], "source": canonical}
+    return out
+
+
 def resolve_model_dir(directory: Path) -> Path:
     """``directory`` itself, or ``directory/model`` when given a checkpoint directory."""
     directory = Path(directory)
@@ -179,12 +226,13 @@ def is_complete(out_dir: Path, keys: Iterable[str] | None = None) -> bool:
 
 
 # -- writing a bundle ------------------------------------------------------------------------------
-def _write_file(path: Path, items: list[tuple[str, str]], fetch: Callable[[str], torch.Tensor], num_threads: int) -> dict[str, int]:
-    """Write one output file of ``items`` ``[(key, export dtype)]``; returns ``{key: bytes}``."""
+def _write_file(path: Path, items: list[tuple[str, str, str]], fetch: Callable[[str], torch.Tensor], num_threads: int) -> dict[str, int]:
+    """Write one output file of ``items`` ``[(key, source key, export dtype)]``; returns ``{key: bytes}``."""
 
-    def one(item: tuple[str, str]) -> tuple[str, torch.Tensor]:
-        key, dtype = item
-        return key, fetch(key).to(getattr(torch, dtype)).contiguous()
+    def one(item: tuple[str, str, str]) -> tuple[str, torch.Tensor]:
+        key, source, dtype = item
+        t = fetch(source).to(getattr(torch, dtype)).contiguous()
+        return key, (t.clone() if source != key else t)  # a copy: safetensors refuses shared storage
 
     if num_threads > 1 and len(items) > 1:
         with concurrent.futures.ThreadPoolExecutor(max_workers=num_threads) as pool:
@@ -195,16 +243,17 @@ def _write_file(path: Path, items: list[tuple[str, str]], fetch: Callable[[str],
     return {key: t.numel() * t.element_size() for key, t in tensors.items()}
 
 
-def _export_file(job: tuple[str, str, list[tuple[str, str, str]], int]) -> dict[str, int]:
-    """Worker (also run in-process): one output file from the shards of ``model_dir``."""
+def _export_file(job: tuple[str, str, list[tuple[str, str, str, str]], int]) -> dict[str, int]:
+    """Worker (also run in-process): one output file from the shards of ``model_dir``; ``items``
+    are ``[(key, source key, shard of the source, export dtype)]``."""
     model_dir, out_path, items, num_threads = job
-    shard_of = {key: shard for key, shard, _ in items}
+    shard_of = {source: shard for _, source, shard, _ in items}
 
-    def fetch(key: str) -> torch.Tensor:
-        with safe_open(os.path.join(model_dir, shard_of[key]), framework="pt") as fh:
-            return fh.get_tensor(key)
+    def fetch(source: str) -> torch.Tensor:
+        with safe_open(os.path.join(model_dir, shard_of[source]), framework="pt") as fh:
+            return fh.get_tensor(source)
 
-    return _write_file(Path(out_path), [(key, dtype) for key, _, dtype in items], fetch, num_threads)
+    return _write_file(Path(out_path), [(key, source, dtype) for key, source, _, dtype in items], fetch, num_threads)
 
 
 def _progress(total: int, enabled: bool):
@@ -229,16 +278,23 @@ def write_bundle(
     num_threads: int = 5,
     progress: bool = False,
     aliases: dict[str, str] | None = None,
+    bundle_omits: Iterable[str] = (),
 ) -> list[str]:
     """Write the Hugging Face bundle of ``layout`` (see :func:`read_layout`) into ``out_dir``.
-    ``aliases`` (tied keys, ``{alias: canonical}``; not in ``layout``) go into the index's
-    ``metadata.tied_weights``, not into the files.
+    ``aliases`` (tied keys, ``{alias: canonical}``; not in ``layout``) all go into the index's
+    ``metadata.tied_weights``; those in ``bundle_omits`` (declared tied by the model, see
+    :func:`read_bundle_omits`) stay out of the files, every other one is written as a full copy of
+    its canonical tensor under its own key, in its canonical key's file, and listed in ``weight_map``.
 
     Tensors come from ``fetch(key)`` (in memory, one process) or from the shards in ``model_dir``
     (``nproc`` worker processes, one output file at a time each, ``num_threads`` reader threads
     each). ``sidecar_dir``'s files (config, tokenizer) are copied in; ``config.json``'s ``dtype``
     is set to the exported float dtype. Returns the file names written, relative to ``out_dir``.
+
+    Raises:
+        ConsolidateError: a bad ``cast_dtype``, or an alias whose canonical key is not in ``layout``.
     """
+    layout = with_alias_copies(layout, aliases or {}, set(bundle_omits))
     cast = parse_cast_dtype(cast_dtype)
     targets, notes = plan_dtypes(layout, cast)
     for line in notes:
@@ -259,10 +315,12 @@ def write_bundle(
     try:
         if fetch is not None:
             for index, keys in by_file.items():
-                done(index, _write_file(out_dir / hf_file_name(index, num_files), [(k, targets[k]) for k in keys], fetch, 1))
+                items = [(k, layout[k].get("source", k), targets[k]) for k in keys]
+                done(index, _write_file(out_dir / hf_file_name(index, num_files), items, fetch, 1))
         else:
             jobs = {
-                index: (str(model_dir), str(out_dir / hf_file_name(index, num_files)), [(k, layout[k]["shard"], targets[k]) for k in keys], num_threads)
+                index: (str(model_dir), str(out_dir / hf_file_name(index, num_files)),
+                        [(k, layout[k].get("source", k), layout[k]["shard"], targets[k]) for k in keys], num_threads)
                 for index, keys in by_file.items()
             }
             if nproc > 1 and len(jobs) > 1:
@@ -363,8 +421,10 @@ def consolidate(
     parse_cast_dtype(cast_dtype)  # a bad value fails before any work
     model_dir = resolve_model_dir(Path(directory)).absolute()
     layout = read_layout(model_dir)
+    aliases = read_aliases(model_dir)
+    omits = read_bundle_omits(model_dir, aliases)
     out = Path(output_dir).absolute() if output_dir is not None else model_dir / CONSOLIDATED
-    if is_complete(out, layout):
+    if is_complete(out, with_alias_copies(layout, aliases, omits)):
         log.info("%s is already complete; nothing to do (remove it to export again)", out)
         return out
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -372,7 +432,7 @@ def consolidate(
     try:
         written = write_bundle(
             tmp, layout, model_dir=model_dir, cast_dtype=cast_dtype, sidecar_dir=model_dir / HF_METADATA,
-            nproc=nproc, num_threads=num_threads, progress=progress, aliases=read_aliases(model_dir),
+            nproc=nproc, num_threads=num_threads, progress=progress, aliases=aliases, bundle_omits=omits,
         )
         for rel in written:
             fsync_file(tmp / rel)

@@ -67,6 +67,10 @@ def tied_weight_keys(model: torch.nn.Module) -> set[str]:
     declared = getattr(inner, "all_tied_weights_keys", None)  # transformers >= 5: {tied key: source key}
     if isinstance(declared, dict):
         return set(declared)
+    config = getattr(inner, "config", None)
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text_config, "tie_word_embeddings", True) is False:
+        return set()  # transformers 4 lists the keys per class, whatever the config: nothing is re-tied
     keys: set[str] = set()
     for prefix, module in inner.named_modules():  # transformers 4: per-class lists (or dicts) of names
         names = getattr(module, "_tied_weights_keys", None) or ()

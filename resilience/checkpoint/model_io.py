@@ -15,6 +15,10 @@ Tied weights (two keys, one tensor: ``head.weight`` is ``emb.weight``) are store
 key a Hugging Face model keeps (``save_pretrained`` drops the tied ``lm_head.weight``; otherwise the
 first in state-dict order), with the tie recorded in ``shard_index.json`` as
 ``"aliases": {"head.weight": "emb.weight"}``; loading gives every alias the stored tensor.
+``"bundle_omits"`` lists the aliases the model declares tied (``from_pretrained`` ties them again),
+which the Hugging Face bundle leaves out as ``save_pretrained`` does; it holds every other alias
+as a copy (a tie made by hand is not in ``config.json``). Recorded now, as ``consolidate.sh``
+runs later without the model.
 The model is replicated (plain or DDP), so each rank already holds every tensor: the split into
 parts is a deterministic plan every rank computes alike, and rank 0 alone writes the index.
 Loading reads every shard on every rank, so it works under any world size. The consolidated file
@@ -140,6 +144,15 @@ def tied_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict
     return aliases
 
 
+def bundle_omits(model: torch.nn.Module, aliases: dict[str, str]) -> list[str]:
+    """The aliases the Hugging Face bundle may leave out, sorted: those ``model`` declares tied
+    (:func:`hf_export.tied_weight_keys`, e.g. ``lm_head.weight`` with ``tie_word_embeddings``),
+    which ``from_pretrained`` ties again. Any other alias (tied by hand, or a non-Hugging Face
+    model) must be in the bundle as a copy, or ``from_pretrained`` would initialise it randomly."""
+    declared = hf_export.tied_weight_keys(model)
+    return sorted(alias for alias in aliases if alias in declared)
+
+
 def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) -> None:
     """Load the weights saved in ``directory/model/`` into ``model`` in place, whatever the layout
     (sharded safetensors under any world size, DCP — a collective over ``group`` — or adapters).
@@ -228,6 +241,7 @@ def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.
             for key, t in state.items()
         },
         "aliases": dict(sorted(aliases.items())),  # tied keys: stored once, under the canonical key
+        "bundle_omits": bundle_omits(model, aliases),
     }
     cpu = _cpu_copies(state)
     written: list[str | FileRecord] = []
@@ -252,7 +266,8 @@ def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.
     if consolidated:
         layout = consolidation.read_layout(staging / MODEL_DIR)
         out = staging / CONSOLIDATED_DIR
-        written += [f"{CONSOLIDATED_DIR}/{rel}" for rel in consolidation.write_bundle(out, layout, fetch=cpu, sidecar_dir=sidecars, aliases=aliases)]
+        written += [f"{CONSOLIDATED_DIR}/{rel}" for rel in consolidation.write_bundle(
+            out, layout, fetch=cpu, sidecar_dir=sidecars, aliases=aliases, bundle_omits=index["bundle_omits"])]
     return written
 
 
