@@ -29,6 +29,7 @@ from resilience.checkpoint.training_state import TrainingState
 from resilience.checkpoint.writer import Part, remove_leftovers, save_checkpoint
 from resilience.config import _URL, CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
+from resilience.state.batch_size import epoch_complete
 from resilience.state.rng import load_rng_state
 from resilience.state.step_scheduler import StepScheduler
 
@@ -66,7 +67,8 @@ class Checkpointer:
         self.validation: dict[int, dict[str, Any]] = {}
         """Rank 0: validation metrics by global step, waiting for that step's checkpoint."""
         self.global_batch_size: int | None = None
-        """Samples per optimizer step over all ranks (``step_scheduler.global_batch_size``), set by the loop."""
+        """Samples per optimizer step over all ranks (``step_scheduler.global_batch_size``, else derived
+        from the loader; ``None`` when unknown), set by the loop and recorded in every checkpoint."""
         self.timings: dict[str, float | None] = {}
         """Step and save time moving averages (seconds) at this save, set by the loop."""
         self._async: AsyncWriter | None = None
@@ -139,6 +141,7 @@ class Checkpointer:
             "run_id": self.run_id,
             "torch_version": torch.__version__,
             "global_batch_size": self.global_batch_size,
+            "epoch_complete": epoch_complete(state.dataloader, scheduler.batches_in_epoch),
             "optimizer_saved": state.optimizer is not None and not self.config.no_save_optim,
             "is_async": self._async is not None,
             "timings": dict(self.timings),

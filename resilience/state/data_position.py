@@ -6,7 +6,9 @@ skipping the batches already consumed, which is exact for map-style datasets and
 over those batches. For the replay to draw the same order, the torch RNG state from just before
 the epoch's iterator was created is saved too (``epoch_rng``) and set again before the replayed
 ``iter()``: a shuffling sampler without ``set_epoch`` (``DataLoader(shuffle=True)``) draws its
-seed from the global RNG there, which by a later epoch training has moved on.
+seed from the global RNG there, which by a later epoch training has moved on. A stateful loader
+records it as well: when the global batch size changed (:mod:`resilience.state.batch_size`) its
+own state, which counts batches of the old size, is dropped and its epoch is replayed the same way.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def data_position_json(loader: Any, batches_in_epoch: int) -> str:
         TypeError: the loader's state holds something JSON cannot represent.
     """
     state: dict[str, Any] = {"batches_in_epoch": batches_in_epoch, "loader": _encode(loader.state_dict()) if is_stateful(loader) else None}
-    if not is_stateful(loader) and _epoch_rng(loader) is not None:
+    if _epoch_rng(loader) is not None:
         state["epoch_rng"] = _encode(_epoch_rng(loader))
     try:
         return json.dumps(state)
@@ -96,6 +98,8 @@ def resume_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterat
         return _iter(loader)
     if is_stateful(loader) and position.get("loader") is not None:
         loader.load_state_dict(_decode(position["loader"]))
+        if position.get("epoch_rng") is not None:
+            _remember(loader, _decode(position["epoch_rng"]))  # this epoch's, for the next save
         return iter(loader)
     if position.get("epoch_rng") is not None:
         torch.set_rng_state(_decode(position["epoch_rng"]))  # the draws of the original iter()
@@ -123,12 +127,15 @@ def epoch_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterato
 
 def _iter(loader: Iterable) -> Iterator:
     """``iter(loader)``, remembering the torch RNG state it started from (see the module doc)."""
-    if not is_stateful(loader):
-        try:
-            _EPOCH_RNG[loader] = torch.get_rng_state()
-        except TypeError:  # not weak-referenceable (a list of batches): nothing to shuffle
-            pass
+    _remember(loader, torch.get_rng_state())
     return iter(loader)
+
+
+def _remember(loader: Any, rng: torch.Tensor) -> None:
+    try:
+        _EPOCH_RNG[loader] = rng
+    except TypeError:  # not weak-referenceable (a list of batches): nothing to shuffle
+        pass
 
 
 def _epoch_rng(loader: Any) -> torch.Tensor | None:
