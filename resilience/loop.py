@@ -78,7 +78,8 @@ class ResilientLoop:
         self.checkpointer.global_batch_size = global_batch_size(config.step_scheduler.global_batch_size, state.dataloader, self.ctx)
         self.scheduler = StepScheduler(config.step_scheduler.num_epochs, config.step_scheduler.max_steps)
         self.exit_code: ExitCode | None = None
-        """Set when the loop ends: DONE, PREEMPTED (a checkpoint of the stop step is published) or FAILED."""
+        """Set when the loop ends: DONE, PREEMPTED (a checkpoint of the stop step is published), FAILED,
+        NO_PROGRESS, or CONFIG_ERROR (a batch-size change at resume that cannot continue exactly)."""
         self.resumed_from: Path | None = None
         self.stop_step: int | None = None
         """The agreed stop step when preempted (every rank has the same)."""
