@@ -169,7 +169,7 @@ def test_common_json_records_mindspore_training_info(tmp_path):
     assert "common.json" in read_manifest(root / "epoch_1_step_4")["files"]
 
 
-def test_resaving_an_already_saved_step_replaces_it_atomically(tmp_path):
+def test_resaving_a_step_of_an_abandoned_timeline_replaces_it_atomically_and_keeps_the_old_one_aside(tmp_path):
     root = tmp_path / "ck"
     train({"step_scheduler": {"max_steps": 4, "ckpt_every_steps": 2}, "checkpoint": {"checkpoint_dir": str(root)}})
     first = read_manifest(root / "epoch_0_step_4")["meta"]
@@ -178,7 +178,10 @@ def test_resaving_an_already_saved_step_replaces_it_atomically(tmp_path):
     second = validate(root / "epoch_0_step_4")["meta"]
     assert second["saved_at"] > first["saved_at"]
     assert read_pointer(root, LATEST) == root / "epoch_0_step_4"
-    assert sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink()) == ["epoch_0_step_2", "epoch_0_step_4"]
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    assert names[:2] == ["epoch_0_step_2", "epoch_0_step_4"] and names[2].startswith("epoch_0_step_4.abandoned-") and len(names) == 3
+    assert validate(root / names[2])["meta"]["checkpoint_id"] == first["checkpoint_id"]  # the first run's step 4, kept
+    assert second["parent"] == {"name": "epoch_0_step_2", "checkpoint_id": validate(root / "epoch_0_step_2")["meta"]["checkpoint_id"]}
     fresh = torch.nn.Linear(2, 1)
     Checkpointer(config_from_dict({"checkpoint": {"checkpoint_dir": str(root)}}).checkpoint, DistContext()).load(
         root / "epoch_0_step_4", TrainingState(model=fresh))
