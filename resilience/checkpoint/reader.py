@@ -4,7 +4,7 @@ checking its bytes.
 Rank 0 follows ``LATEST`` (or ``restore_from``), checks the manifest and every file's size, and
 when the target is missing or incomplete falls back with a warning: first to its own ancestors
 (its lineage, :mod:`resilience.checkpoint.lineage`), then to the other checkpoints no newer than
-it, most recently saved first. Without ``LATEST`` the most recently saved checkpoint leads (the
+it, newest step first. Without ``LATEST`` the most recently saved checkpoint leads (the
 one ``LATEST`` last named), not the highest step: after a rollback the abandoned timeline may
 hold higher steps. Every rank then loads the chosen directory while a background thread digests its share
 of the files (:func:`load_verified`): reading every byte once for both, instead of a full
@@ -67,7 +67,7 @@ def _choose(root: Path, restore_from: str | None, key: str = "checkpoint.restore
     except PointerError as exc:
         warnings.append(str(exc))
         latest = None
-    candidates = _candidates(root, latest)
+    candidates = resume_candidates(root, latest)
 
     for path in candidates:
         if (path / BAD_MARKER).exists():
@@ -87,19 +87,22 @@ def _choose(root: Path, restore_from: str | None, key: str = "checkpoint.restore
     return None, warnings
 
 
-def _candidates(root: Path, latest: Path | None) -> list[Path]:
-    """Checkpoints to try in order: ``LATEST`` (else the most recently saved checkpoint), its
-    lineage, then the rest no newer than ``LATEST``'s step, most recently saved first."""
-    saved = {path: _saved_at(path) for path in list_checkpoints(root)}
-    rest = sorted(saved, key=lambda p: (saved[p], *parse_checkpoint_name(p.name)[::-1]), reverse=True)
+def resume_candidates(root: Path, latest: Path | None) -> list[Path]:
+    """Checkpoints to try, in order: ``LATEST`` (without it, the most recently saved checkpoint),
+    its lineage, then the other checkpoints (no newer than ``LATEST`` when there is one), newest
+    step first. Read-only."""
+    listed = list_checkpoints(root)  # newest step first
     parsed = parse_checkpoint_name(latest.name) if latest is not None else None
-    if latest is not None and parsed:
-        rest = [path for path in rest if parse_checkpoint_name(path.name)[1] <= parsed[1]]
-    head = latest if latest is not None else (rest[0] if rest else None)
+    if latest is None:
+        # max() keeps the first of equals: checkpoints without saved_at fall back to the highest step
+        head = max(listed, key=_saved_at) if listed else None
+    else:
+        head = latest
+        listed = [path for path in listed if parsed is None or parse_checkpoint_name(path.name)[1] <= parsed[1]]
     if head is None:
         return []
     candidates = lineage(root, head) if head.is_dir() else [head]
-    return candidates + [path for path in rest if path not in candidates]
+    return candidates + [path for path in listed if path not in candidates]
 
 
 def _saved_at(directory: Path) -> float:
