@@ -18,7 +18,7 @@ from typing import Any
 
 from resilience.config.checks import ConfigError
 from resilience.distributed import DistContext
-from resilience.state.data_position import loader_length
+from resilience.state.data_position import epoch_setter, is_stateful, loader_length
 
 log = logging.getLogger("resilience")
 
@@ -63,9 +63,10 @@ def continue_with_batch_size(
     Unchanged when the global batch is the same or either side is unknown (``None``: nothing to
     compare; the epoch continues by batch count, as saved). When it changed, the samples consumed
     in the epoch (``batches_in_epoch x old``) must be a whole number of new batches: the position
-    becomes that number of batches (a stateful loader's own state, which counts old batches, is
-    dropped; the epoch's sampler order is replayed and those batches skipped). An epoch that was
-    complete stays complete. ``global_step`` and ``epoch`` are never changed.
+    becomes that number of batches. A torchdata ``StatefulDataLoader``'s own state counts samples
+    and is loaded as saved; any other loader replays the epoch's sampler order (``set_epoch`` or
+    the saved RNG) and skips those batches. An epoch that was complete stays complete.
+    ``global_step`` and ``epoch`` are never changed.
 
     Args:
         step_state: the checkpoint's ``step_scheduler.json`` (epoch, batches_in_epoch, global_step).
@@ -77,7 +78,8 @@ def continue_with_batch_size(
         configured: ``new`` came from the configuration (else from the loader), for messages.
 
     Raises:
-        BatchSizeChangeRefused: the consumed samples are not a whole number of new batches.
+        BatchSizeChangeRefused: the consumed samples are not a whole number of new batches, or the
+            loader is stateful, its state does not count samples and its order cannot be replayed.
     """
     old = meta.get("global_batch_size")
     if old is None or new is None or old == new:
@@ -105,5 +107,25 @@ def continue_with_batch_size(
         checkpoint, old, new, step_state["epoch"], samples, moved, step_state["global_step"],
     )
     state = {**step_state, "batches_in_epoch": moved}
-    position = None if data_position is None else {**data_position, "batches_in_epoch": moved, "loader": None}
-    return state, position
+    if data_position is None:
+        return state, None
+    if _counts_samples(data_position.get("loader")):
+        # torchdata's StatefulDataLoader: its batch sampler's state counts samples, so loaded into the
+        # loader of the new batch size it continues at the same sample, whatever its sampler
+        return state, {**data_position, "batches_in_epoch": moved}
+    if is_stateful(loader) and epoch_setter(loader) is None and data_position.get("epoch_rng") is None:
+        raise BatchSizeChangeRefused(
+            f"{KEY} changed from {old} (saved in {checkpoint}) to {new}, and the loader's own state does not count "
+            "samples (no torchdata samples_yielded) while its sampler has no set_epoch: the epoch's order cannot be "
+            f"replayed exactly. Resume with a global batch of {old}, from a checkpoint at an epoch's end, or use a "
+            "sampler with set_epoch (DistributedSampler)"
+        )
+    # replay the epoch's sampler order (set_epoch, or the saved RNG) and skip `moved` batches of the new size
+    return state, {**data_position, "batches_in_epoch": moved, "loader": None}
+
+
+def _counts_samples(loader_state: Any) -> bool:
+    """True for a torchdata ``StatefulDataLoader`` state (single process): its batch sampler's
+    ``samples_yielded``, which a loader of another batch size resumes from sample for sample."""
+    inner = loader_state.get("_sampler_iter_state") if isinstance(loader_state, dict) else None
+    return isinstance(inner, dict) and isinstance(inner.get("samples_yielded"), int)

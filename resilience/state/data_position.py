@@ -6,9 +6,7 @@ skipping the batches already consumed, which is exact for map-style datasets and
 over those batches. For the replay to draw the same order, the torch RNG state from just before
 the epoch's iterator was created is saved too (``epoch_rng``) and set again before the replayed
 ``iter()``: a shuffling sampler without ``set_epoch`` (``DataLoader(shuffle=True)``) draws its
-seed from the global RNG there, which by a later epoch training has moved on. A stateful loader
-records it as well: when the global batch size changed (:mod:`resilience.state.batch_size`) its
-own state, which counts batches of the old size, is dropped and its epoch is replayed the same way.
+seed from the global RNG there, which by a later epoch training has moved on.
 """
 
 from __future__ import annotations
@@ -56,10 +54,17 @@ def is_stateful(loader: Any) -> bool:
 def set_epoch(loader: Any, epoch: int) -> None:
     """Call ``set_epoch`` on the loader's sampler (``DistributedSampler``) and batch sampler if they have it,
     so each epoch's shuffle is a function of (seed, epoch) and can be replayed on resume."""
+    setter = epoch_setter(loader)
+    if setter is not None:
+        setter.set_epoch(epoch)
+
+
+def epoch_setter(loader: Any) -> Any:
+    """The loader's sampler, batch sampler or the loader itself, the first with ``set_epoch``; else None."""
     for obj in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None), loader):
         if obj is not None and callable(getattr(obj, "set_epoch", None)):
-            obj.set_epoch(epoch)
-            return
+            return obj
+    return None
 
 
 def data_position_json(loader: Any, batches_in_epoch: int) -> str:
@@ -70,7 +75,7 @@ def data_position_json(loader: Any, batches_in_epoch: int) -> str:
         TypeError: the loader's state holds something JSON cannot represent.
     """
     state: dict[str, Any] = {"batches_in_epoch": batches_in_epoch, "loader": _encode(loader.state_dict()) if is_stateful(loader) else None}
-    if _epoch_rng(loader) is not None:
+    if not is_stateful(loader) and _epoch_rng(loader) is not None:
         state["epoch_rng"] = _encode(_epoch_rng(loader))
     try:
         return json.dumps(state)
@@ -98,8 +103,6 @@ def resume_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterat
         return _iter(loader)
     if is_stateful(loader) and position.get("loader") is not None:
         loader.load_state_dict(_decode(position["loader"]))
-        if position.get("epoch_rng") is not None:
-            _remember(loader, _decode(position["epoch_rng"]))  # this epoch's, for the next save
         return iter(loader)
     if position.get("epoch_rng") is not None:
         torch.set_rng_state(_decode(position["epoch_rng"]))  # the draws of the original iter()
@@ -127,15 +130,12 @@ def epoch_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterato
 
 def _iter(loader: Iterable) -> Iterator:
     """``iter(loader)``, remembering the torch RNG state it started from (see the module doc)."""
-    _remember(loader, torch.get_rng_state())
+    if not is_stateful(loader):
+        try:
+            _EPOCH_RNG[loader] = torch.get_rng_state()
+        except TypeError:  # not weak-referenceable (a list of batches): nothing to shuffle
+            pass
     return iter(loader)
-
-
-def _remember(loader: Any, rng: torch.Tensor) -> None:
-    try:
-        _EPOCH_RNG[loader] = rng
-    except TypeError:  # not weak-referenceable (a list of batches): nothing to shuffle
-        pass
 
 
 def _epoch_rng(loader: Any) -> torch.Tensor | None:

@@ -5,8 +5,9 @@ Usage: sample_train.py CKPT_DIR RECORD_FILE [dotted overrides...]
 The dataset is the sample ids ``0 .. SAMPLES-1`` (env, default 48); each rank appends one JSON
 line per step to ``RECORD_FILE.rank<R>``: ``{"step", "ids", "loss", "lr_step", "lr"}`` where
 ``lr_step`` is the LR scheduler's step count after the step. Env ``LOADER``: ``plain`` (default:
-``DataLoader(shuffle=True)`` on one rank, with a ``DistributedSampler`` on more) or ``stateful``
-(``StatefulDataLoader`` with a shuffling ``DistributedSampler``); ``BATCH``: the per-rank batch
+``DataLoader(shuffle=True)`` on one rank, with a ``DistributedSampler`` on more), ``stateful``
+(``StatefulDataLoader`` with a shuffling ``DistributedSampler``) or ``stateful_shuffle``
+(``StatefulDataLoader(shuffle=True)``: its order drawn from the global RNG); ``BATCH``: the per-rank batch
 size (default 4). A model under DDP on more ranks, SGD, an exponential LR schedule. Exits with
 ``loop.exit_code`` (2 for a configuration error).
 """
@@ -37,10 +38,13 @@ except ConfigError as exc:
     sys.exit(int(ExitCode.CONFIG_ERROR))
 torch.manual_seed(0)
 dataset = TensorDataset(torch.arange(samples, dtype=torch.float32).unsqueeze(1))
-if os.environ.get("LOADER", "plain") == "stateful":
+if os.environ.get("LOADER", "plain").startswith("stateful"):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    loader = StatefulDataLoader(dataset, batch_size=batch, sampler=DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7))
+    if os.environ["LOADER"] == "stateful_shuffle":
+        loader = StatefulDataLoader(dataset, batch_size=batch, shuffle=True)
+    else:
+        loader = StatefulDataLoader(dataset, batch_size=batch, sampler=DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7))
 elif world > 1:
     loader = DataLoader(dataset, batch_size=batch, sampler=DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7))
 else:
