@@ -16,12 +16,9 @@ Sources: MindSpore Transformers "Weight Saving and Loading" and "Resumable Train
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping
 
 from resilience.config import ConfigError
-
-log = logging.getLogger("resilience")
 
 # (MindSpore section, key) -> (our section, key): same meaning, either spelling accepted.
 ALIASES: dict[tuple[str, str], tuple[str, str]] = {
