@@ -38,7 +38,7 @@ from resilience.signals import SignalRecorder
 from resilience.teardown import release_at_exit
 from resilience.handshake import mark_ready_and_check_stop
 from resilience.slurm import run_id_from_env, signal_reach_warning
-from resilience.mindspore_compat import rescale_for_global_batch_size
+from resilience.state.batch_size import BatchSizeChangeRefused, continue_with_batch_size, global_batch_size
 from resilience.state.data_position import epoch_iterator, loader_length, set_epoch
 from resilience.state.accumulation import micro_batches
 from resilience.state.step_scheduler import StepScheduler
@@ -85,10 +85,11 @@ class ResilientLoop:
         self.state = state
         self.ctx = ctx if ctx is not None else DistContext.from_env()
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, run_config=config.to_dict(), run_id=run_id_from_env())
-        self.checkpointer.global_batch_size = config.step_scheduler.global_batch_size
+        self.checkpointer.global_batch_size = global_batch_size(config.step_scheduler.global_batch_size, state.dataloader, self.ctx)
         self.scheduler = StepScheduler(config.step_scheduler.num_epochs, config.step_scheduler.max_steps)
         self.exit_code: ExitCode | None = None
-        """Set when the loop ends: DONE, PREEMPTED (a checkpoint of the stop step is published) or FAILED."""
+        """Set when the loop ends: DONE, PREEMPTED (a checkpoint of the stop step is published), FAILED,
+        NO_PROGRESS, or CONFIG_ERROR (a batch-size change at resume that cannot continue exactly)."""
         self.resumed_from: Path | None = None
         self.stop_step: int | None = None
         """The agreed stop step when preempted (every rank has the same)."""
@@ -176,7 +177,12 @@ class ResilientLoop:
                 self._pending = lambda: STOP_PREEMPTION if (signals or stop_before_start) else 0
                 self._agreement = agreement
                 try:
-                    restored = self._resume()
+                    try:
+                        restored = self._resume()
+                    except BatchSizeChangeRefused as exc:  # before any step: exit 2, nothing requeued
+                        log.error("rank %d: %s", self.ctx.rank, exc)
+                        self.exit_code = ExitCode.CONFIG_ERROR
+                        return
                     if self._no_progress():
                         self.exit_code = ExitCode.NO_PROGRESS
                         return
@@ -337,15 +343,10 @@ class ResilientLoop:
             self._truncate_log(0)
             log.info("rank %d: loaded the weights of %s (no_load_optim); training starts at step 0", self.ctx.rank, directory)
             return None
-        old_gbs, new_gbs = restored.meta.get("global_batch_size"), self.config.step_scheduler.global_batch_size
-        if old_gbs and new_gbs and old_gbs != new_gbs:  # MindSpore: same samples consumed, rescaled steps
-            restored.step_scheduler, restored.data_position = rescale_for_global_batch_size(
-                restored.step_scheduler, restored.data_position, old_gbs, new_gbs
-            )
-            log.warning(
-                "rank %d: global_batch_size %d -> %d: global_step %d -> %d", self.ctx.rank, old_gbs, new_gbs,
-                restored.meta["global_step"], restored.step_scheduler["global_step"],
-            )
+        restored.step_scheduler, restored.data_position = continue_with_batch_size(
+            restored.step_scheduler, restored.data_position, restored.meta, self.checkpointer.global_batch_size,
+            loader=self.state.dataloader, checkpoint=directory.name, configured=self.config.step_scheduler.global_batch_size is not None,
+        )
         self.scheduler.load_state_dict(restored.step_scheduler)
         if self.checkpointer.run_id is None and self.checkpointer.resume_source != "load_path":
             self.checkpointer.run_id = restored.meta.get("run_id")  # one run id across restarts

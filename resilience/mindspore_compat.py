@@ -1,15 +1,14 @@
-"""MindSpore Transformers names and behaviours on top of the NeMo AutoModel configuration.
-
-Two jobs:
+"""MindSpore Transformers names on top of the NeMo AutoModel configuration.
 
 * :func:`normalize_aliases` rewrites configuration keys that MindSpore Transformers spells
   differently but that mean the same thing as ours (``checkpoint.save_path`` is
   ``checkpoint.checkpoint_dir``, ...) before validation, so either spelling works and both
   together must agree. Keys with no NeMo equivalent (``save_max``, ``no_save_optim``, ...) are
   fields of :class:`resilience.config.CheckpointConfig` under their MindSpore names.
-* :func:`rescale_for_global_batch_size` is MindSpore's resume rule for a changed global batch
-  size: ``global_step`` is scaled by old/new so the number of samples consumed stays the same,
-  and the data cursor moves with it.
+
+A changed global batch size at resume is :mod:`resilience.state.batch_size`'s: unlike MindSpore,
+which scales ``global_step`` by old/new, ``global_step`` keeps counting optimizer steps (so it
+never goes back below existing checkpoints, and stays equal to the LR scheduler's step).
 
 Sources: MindSpore Transformers "Weight Saving and Loading" and "Resumable Training" (the
 ``checkpoint`` section, ``CheckpointConfig``, ``common.json``/``CommonInfo``).
@@ -17,15 +16,10 @@ Sources: MindSpore Transformers "Weight Saving and Loading" and "Resumable Train
 
 from __future__ import annotations
 
-import copy
-import logging
-from fractions import Fraction
 from typing import Any, Mapping
 
 from resilience.config import ConfigError
 from resilience.config.checks import check_local_path
-
-log = logging.getLogger("resilience")
 
 # (MindSpore section, key) -> (our section, key): same meaning, either spelling accepted.
 ALIASES: dict[tuple[str, str], tuple[str, str]] = {
@@ -85,37 +79,3 @@ def _save_path_given(value: Any) -> bool:
 
 def _saving_enabled(section: Mapping[str, Any]) -> bool:
     return section.get("enable_save", True) is not False and section.get("enabled", True) is not False
-
-
-def rescale_for_global_batch_size(
-    step_state: Mapping[str, int], data_position: Mapping[str, Any] | None, old: int, new: int
-) -> tuple[dict[str, int], dict[str, Any] | None]:
-    """Step counters and data position after resuming with global batch ``new`` a run saved with ``old``.
-
-    MindSpore's rule: ``global_step' = global_step x old / new``, so ``global_step' x new`` samples
-    have been consumed, as before. The position within the epoch (``batches_in_epoch``) scales
-    the same way, and a stateful loader's own state (which counts batches of the old size) is
-    dropped: the loop then replays the epoch's sampler order (``set_epoch``) and skips
-    ``batches_in_epoch'`` batches of the new size, landing on the same sample. When a ratio is
-    not integral the counts are rounded down (some samples are seen twice) and a warning is logged.
-
-    Args:
-        step_state: ``StepScheduler.state_dict()`` of the checkpoint (epoch, batches_in_epoch, global_step).
-        data_position: this rank's saved data position, or ``None``.
-        old, new: global batch sizes (samples per optimizer step) at save and now; both >= 1.
-    """
-    ratio = Fraction(old, new)
-    state = copy.deepcopy(dict(step_state))
-    for key in ("global_step", "batches_in_epoch"):
-        scaled = state[key] * ratio
-        if scaled.denominator != 1:
-            log.warning(
-                "global_batch_size changed from %d to %d: %s %d x %d/%d = %s is not a whole number of steps; "
-                "resuming at %d (the samples of the partial step are seen again)",
-                old, new, key, state[key], old, new, float(scaled), int(scaled),
-            )
-        state[key] = int(scaled)
-    position = None
-    if data_position is not None:
-        position = {**data_position, "batches_in_epoch": state["batches_in_epoch"], "loader": None}
-    return state, position

@@ -235,7 +235,8 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
 def _resume_choice(root: Path, entries: list[dict[str, Any]], pointers: dict[str, dict[str, Any]], deep: bool) -> dict[str, Any]:
     """What :func:`resilience.checkpoint.reader._choose` would pick (without ``restore_from``),
     computed without writing ``.bad`` markers."""
-    from resilience.checkpoint.layout import BAD_MARKER, LATEST, list_checkpoints, parse_checkpoint_name
+    from resilience.checkpoint.layout import BAD_MARKER, LATEST
+    from resilience.checkpoint.reader import resume_candidates
 
     by_name = {e["name"]: e for e in entries if e["kind"] == "checkpoint"}
     skipped: list[dict[str, str]] = []
@@ -248,12 +249,7 @@ def _resume_choice(root: Path, entries: list[dict[str, Any]], pointers: dict[str
         notes.append(f"LATEST ignored ({latest_entry['error']})")
     else:
         latest = root / latest_entry["target"]
-    candidates: list[Path] = [latest] if latest is not None else []
-    parsed = parse_checkpoint_name(latest.name) if latest is not None else None
-    newest_step = parsed[1] if parsed else None
-    for path in list_checkpoints(root):
-        if path not in candidates and (newest_step is None or parse_checkpoint_name(path.name)[1] <= newest_step):
-            candidates.append(path)
+    candidates = resume_candidates(root, latest)  # the reader's order: LATEST's lineage first
 
     chosen = None
     for path in candidates:
@@ -280,7 +276,7 @@ def _resume_choice(root: Path, entries: list[dict[str, Any]], pointers: dict[str
     elif latest_name is not None:
         reason = f"{skips}{chosen} is the newest older valid checkpoint"
     else:
-        reason = f"{noted}{skips}{chosen} is the newest valid checkpoint"
+        reason = f"{noted}{skips}{chosen} is the most recently saved valid checkpoint"
     if chosen is not None:
         reason += sizes_only
     return {"checkpoint": chosen, "fresh_start": chosen is None, "reason": reason, "skipped": skipped, "checksums_checked": deep}

@@ -169,7 +169,7 @@ def test_common_json_records_mindspore_training_info(tmp_path):
     assert "common.json" in read_manifest(root / "epoch_1_step_4")["files"]
 
 
-def test_resaving_an_already_saved_step_replaces_it_atomically(tmp_path):
+def test_resaving_a_step_of_an_abandoned_timeline_replaces_it_atomically_and_keeps_the_old_one_aside(tmp_path):
     root = tmp_path / "ck"
     train({"step_scheduler": {"max_steps": 4, "ckpt_every_steps": 2}, "checkpoint": {"checkpoint_dir": str(root)}})
     first = read_manifest(root / "epoch_0_step_4")["meta"]
@@ -178,7 +178,10 @@ def test_resaving_an_already_saved_step_replaces_it_atomically(tmp_path):
     second = validate(root / "epoch_0_step_4")["meta"]
     assert second["saved_at"] > first["saved_at"]
     assert read_pointer(root, LATEST) == root / "epoch_0_step_4"
-    assert sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink()) == ["epoch_0_step_2", "epoch_0_step_4"]
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    assert names[:2] == ["epoch_0_step_2", "epoch_0_step_4"] and names[2].startswith("epoch_0_step_4.abandoned-") and len(names) == 3
+    assert validate(root / names[2])["meta"]["checkpoint_id"] == first["checkpoint_id"]  # the first run's step 4, kept
+    assert second["parent"] == {"name": "epoch_0_step_2", "checkpoint_id": validate(root / "epoch_0_step_2")["meta"]["checkpoint_id"]}
     fresh = torch.nn.Linear(2, 1)
     Checkpointer(config_from_dict({"checkpoint": {"checkpoint_dir": str(root)}}).checkpoint, DistContext()).load(
         root / "epoch_0_step_4", TrainingState(model=fresh))
@@ -257,25 +260,26 @@ def saved_at_100_with_global_batch_2(tmp_path_factory):
     return root
 
 
-def test_resume_with_a_larger_global_batch_rescales_global_step_and_the_data_cursor(saved_at_100_with_global_batch_2, tmp_path):
+def test_resume_with_a_larger_global_batch_continues_at_the_next_sample_and_global_step_keeps_counting(saved_at_100_with_global_batch_2, tmp_path):
     root = tmp_path / "ck"
     shutil.copytree(saved_at_100_with_global_batch_2, root, symlinks=True)
     common = json.loads((root / "epoch_0_step_100" / "common.json").read_text())
     assert (common["global_step"], common["global_batch_size"]) == (100, 2)
     seen: list = []
-    loop = sample_run(root, 4, 52, seen)
+    loop = sample_run(root, 4, 102, seen)
     order = epoch_order()
-    assert loop.scheduler.global_step == 52
-    assert seen[0] == (51, order[200:204])  # global_step 100 x 2/4 = 50; sample 200 = 100 x 2 comes next
-    assert seen[1] == (52, order[204:208])
-    assert json.loads((root / "epoch_0_step_52" / "common.json").read_text())["global_batch_size"] == 4
+    assert loop.scheduler.global_step == 102
+    assert seen[0] == (101, order[200:204])  # 100 steps x 2 = 200 samples consumed: sample 200 comes next
+    assert seen[1] == (102, order[204:208])
+    assert json.loads((root / "epoch_0_step_102" / "common.json").read_text())["global_batch_size"] == 4
 
 
-def test_a_non_integral_ratio_warns_and_rounds_down(saved_at_100_with_global_batch_2, tmp_path, caplog):
+def test_a_global_batch_that_does_not_divide_the_consumed_samples_is_refused_before_training(saved_at_100_with_global_batch_2, tmp_path, caplog):
     root = tmp_path / "ck"
     shutil.copytree(saved_at_100_with_global_batch_2, root, symlinks=True)
     seen: list = []
-    with caplog.at_level(logging.WARNING, logger="resilience"):
-        sample_run(root, 3, 67, seen)
-    assert "not a whole number" in caplog.text
-    assert seen == [(67, epoch_order()[198:201])]  # 100 x 2/3 = 66.67 -> 66 steps = 198 samples
+    with caplog.at_level(logging.ERROR, logger="resilience"):
+        loop = sample_run(root, 3, 150, seen)
+    assert loop.exit_code == ExitCode.CONFIG_ERROR and seen == []  # 200 samples are not a whole number of batches of 3
+    assert "step_scheduler.global_batch_size changed from 2 (saved in epoch_0_step_100) to 3" in caplog.text
+    assert read_pointer(root, LATEST).name == "epoch_0_step_100"

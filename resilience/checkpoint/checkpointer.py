@@ -21,6 +21,7 @@ from resilience.checkpoint import retention
 from resilience.checkpoint.async_writer import AsyncWriter
 from resilience.checkpoint.best import LowestVal, json_safe, select_metric
 from resilience.checkpoint.layout import MANIFEST, checkpoint_name, parse_checkpoint_name
+from resilience.checkpoint.lineage import parent_ref
 from resilience.checkpoint.loading import Restored, load_state
 from resilience.checkpoint.parts import checkpoint_parts, epoch_of
 from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, find_resume_checkpoint, load_verified
@@ -30,6 +31,7 @@ from resilience.checkpoint.world_size import world_size_problem
 from resilience.checkpoint.writer import Part, remove_leftovers, save_checkpoint
 from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
+from resilience.state.batch_size import epoch_complete
 from resilience.state.rng import load_rng_state
 from resilience.state.step_scheduler import StepScheduler
 
@@ -69,7 +71,11 @@ class Checkpointer:
         self.validation: dict[int, dict[str, Any]] = {}
         """Rank 0: validation metrics by global step, waiting for that step's checkpoint."""
         self.global_batch_size: int | None = None
-        """Samples per optimizer step over all ranks (``step_scheduler.global_batch_size``), set by the loop."""
+        """Samples per optimizer step over all ranks (``step_scheduler.global_batch_size``, else derived
+        from the loader; ``None`` when unknown), set by the loop and recorded in every checkpoint."""
+        self.parent: dict[str, Any] | None = None
+        """The checkpoint the next save continues (``{"name", "checkpoint_id"}``): the one resumed
+        from, then the previous save; ``None`` at step 0 (see :mod:`resilience.checkpoint.lineage`)."""
         self.timings: dict[str, float | None] = {}
         """Step and save time moving averages (seconds) at this save, set by the loop."""
         self._async: AsyncWriter | None = None
@@ -151,10 +157,14 @@ class Checkpointer:
             "run_id": self.run_id,
             "torch_version": torch.__version__,
             "global_batch_size": self.global_batch_size,
+            "epoch_complete": epoch_complete(state.dataloader, scheduler.batches_in_epoch),
             "optimizer_saved": state.optimizer is not None and not self.config.no_save_optim,
             "is_async": self._async is not None,
             "timings": dict(self.timings),
+            "checkpoint_id": uuid.uuid4().hex,
+            "parent": self.parent,
         }
+        self.parent = {"name": name, "checkpoint_id": meta["checkpoint_id"]}
         value = None
         if step in self.validation:
             key, value = select_metric(self.validation[step], self.config.best_metric_key)
@@ -213,7 +223,7 @@ class Checkpointer:
         self.lowest_val.consider(final, value)
         keep = self.config.max_recent_checkpoints if self.config.max_recent_checkpoints is not None else self.config.save_max
         if keep is not None:
-            retention.prune(self.root, keep, run_id=self.run_id if self.config.save_max is not None else None)
+            retention.prune(self.root, keep, run_id=self.run_id if self.config.save_max is not None else None, current=final)
 
     def _parts(self, state: TrainingState, scheduler: StepScheduler, reason: str = "periodic", *, snapshot: bool = False) -> list[Part]:
         """The pieces of this checkpoint (:func:`checkpoint_parts`); with ``snapshot`` its tensors
@@ -318,6 +328,7 @@ class Checkpointer:
             if self.ctx.rank == 0 and self.resume_source != "load_path":
                 self.lowest_val.reload()  # the best so far survives the restart
             self.last_saved_step, self.last_saved_reason = restored.meta["global_step"], restored.meta.get("reason")
+            self.parent = parent_ref(directory, restored.meta, self.root)
         return restored
 
     @staticmethod

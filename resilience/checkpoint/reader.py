@@ -2,8 +2,11 @@
 checking its bytes.
 
 Rank 0 follows ``LATEST`` (or ``restore_from``), checks the manifest and every file's size, and
-when the target is missing or incomplete falls back to the newest older valid checkpoint with a
-warning. Every rank then loads the chosen directory while a background thread digests its share
+when the target is missing or incomplete falls back with a warning: first to its own ancestors
+(its lineage, :mod:`resilience.checkpoint.lineage`), then to the other checkpoints no newer than
+it, newest step first. Without ``LATEST`` the most recently saved checkpoint leads (the
+one ``LATEST`` last named), not the highest step: after a rollback the abandoned timeline may
+hold higher steps. Every rank then loads the chosen directory while a background thread digests its share
 of the files (:func:`load_verified`): reading every byte once for both, instead of a full
 checksum pass before the load, which read everything twice. A checkpoint whose bytes differ
 from its manifest is marked bad on every rank's behalf, so the next choice skips it.
@@ -18,6 +21,7 @@ from typing import Any, Callable, TypeVar
 
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, list_checkpoints, parse_checkpoint_name
 from resilience.checkpoint.durable import entry_digest, file_digest
+from resilience.checkpoint.lineage import lineage, meta_of
 from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest, validate
 from resilience.checkpoint.pointers import PointerError, read_pointer
 from resilience.distributed import DistContext
@@ -58,19 +62,12 @@ def _choose(root: Path, restore_from: str | None, key: str = "checkpoint.restore
             raise CheckpointNotFound(f"{key}={restore_from!r}: {exc}") from exc
         return str(path), warnings
 
-    candidates: list[Path] = []
     try:
         latest = read_pointer(root, LATEST)
     except PointerError as exc:
         warnings.append(str(exc))
         latest = None
-    if latest is not None:
-        candidates.append(latest)
-    newest_step = parse_checkpoint_name(latest.name)[1] if latest is not None and parse_checkpoint_name(latest.name) else None
-    for path in list_checkpoints(root):
-        step = parse_checkpoint_name(path.name)[1]
-        if path not in candidates and (newest_step is None or step <= newest_step):
-            candidates.append(path)
+    candidates = resume_candidates(root, latest)
 
     for path in candidates:
         if (path / BAD_MARKER).exists():
@@ -88,6 +85,29 @@ def _choose(root: Path, restore_from: str | None, key: str = "checkpoint.restore
     if candidates:
         warnings.append(f"no valid checkpoint under {root}: starting from scratch")
     return None, warnings
+
+
+def resume_candidates(root: Path, latest: Path | None) -> list[Path]:
+    """Checkpoints to try, in order: ``LATEST`` (without it, the most recently saved checkpoint),
+    its lineage, then the other checkpoints (no newer than ``LATEST`` when there is one), newest
+    step first. Read-only."""
+    listed = list_checkpoints(root)  # newest step first
+    parsed = parse_checkpoint_name(latest.name) if latest is not None else None
+    if latest is None:
+        # max() keeps the first of equals: checkpoints without saved_at fall back to the highest step
+        head = max(listed, key=_saved_at) if listed else None
+    else:
+        head = latest
+        listed = [path for path in listed if parsed is None or parse_checkpoint_name(path.name)[1] <= parsed[1]]
+    if head is None:
+        return []
+    candidates = lineage(root, head) if head.is_dir() else [head]
+    return candidates + [path for path in listed if path not in candidates]
+
+
+def _saved_at(directory: Path) -> float:
+    value = meta_of(directory).get("saved_at")
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def find_resume_checkpoint(ctx: DistContext, root: Path, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True) -> Path | None:

@@ -2,7 +2,10 @@
 
 Semantics follow NeMo AutoModel's ``checkpoint.max_recent_checkpoints``:
 
-* the window is the newest ``keep`` checkpoint directories, ordered by global step (then epoch);
+* the window is the newest ``keep`` checkpoint directories, ordered by global step (then epoch),
+  the lineage of the checkpoint just published first (:mod:`resilience.checkpoint.lineage`): after
+  a rollback, an abandoned timeline's higher steps never push out the newest checkpoints of the
+  timeline being trained (they fill the window only while that lineage has fewer than ``keep``);
 * the targets of ``LATEST``, ``LOWEST_VAL``, any other top-level symlink and any top-level
   ``.txt`` pointer file are kept in addition (a link into a checkpoint, e.g. to its
   ``model/consolidated``, protects that checkpoint);
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from resilience.checkpoint.durable import fsync_dir
 from resilience.checkpoint.layout import list_checkpoints, parse_checkpoint_name
+from resilience.checkpoint.lineage import lineage
 from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
 
 log = logging.getLogger("resilience.checkpoint")
@@ -71,7 +75,7 @@ def _run_id(directory: Path) -> str | None:
         return None
 
 
-def plan_prune(root: Path, keep: int, *, run_id: str | None = None) -> list[Path]:
+def plan_prune(root: Path, keep: int, *, run_id: str | None = None, current: Path | None = None) -> list[Path]:
     """The checkpoint directories :func:`prune` would remove, oldest first.
 
     Args:
@@ -79,6 +83,7 @@ def plan_prune(root: Path, keep: int, *, run_id: str | None = None) -> list[Path
         keep: size of the recent window (>= 1).
         run_id: when given (MindSpore ``save_max``), only checkpoints whose manifest says they
             were saved by this run count towards the window and may be removed.
+        current: the checkpoint just published: its lineage comes first in the window.
 
     Raises:
         ValueError: ``keep`` < 1.
@@ -88,12 +93,15 @@ def plan_prune(root: Path, keep: int, *, run_id: str | None = None) -> list[Path
     checkpoints = list_checkpoints(root)  # newest step first; real directories only
     if run_id is not None:
         checkpoints = [path for path in checkpoints if _run_id(path) == run_id]
+    if current is not None:
+        mine = {path.name for path in lineage(root, current)}
+        checkpoints = [p for p in checkpoints if p.name in mine] + [p for p in checkpoints if p.name not in mine]
     targets = protected_targets(root)
     victims = [path for path in checkpoints[keep:] if not _is_protected(path, targets)]
     return sorted(victims, key=lambda p: parse_checkpoint_name(p.name)[::-1])
 
 
-def prune(root: Path, keep: int, *, run_id: str | None = None) -> list[Path]:
+def prune(root: Path, keep: int, *, run_id: str | None = None, current: Path | None = None) -> list[Path]:
     """Remove the checkpoints outside the window that no pointer names; returns those removed.
 
     Each victim is first renamed to ``.pruning_<name>`` (so a crash mid-delete never leaves a
@@ -106,7 +114,7 @@ def prune(root: Path, keep: int, *, run_id: str | None = None) -> list[Path]:
         if child.name.startswith(PRUNING_PREFIX) and child.is_dir() and not child.is_symlink():
             shutil.rmtree(child, ignore_errors=True)
     removed = []
-    for path in plan_prune(root, keep, run_id=run_id):
+    for path in plan_prune(root, keep, run_id=run_id, current=current):
         doomed = root / f"{PRUNING_PREFIX}{path.name}"
         try:
             os.rename(path, doomed)

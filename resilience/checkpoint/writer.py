@@ -16,6 +16,7 @@ A failure at any point leaves the previous checkpoint and ``LATEST`` untouched.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import threading
@@ -25,6 +26,7 @@ from typing import Any, Callable
 
 from resilience.checkpoint.durable import FileRecord, fsync_dir, fsync_file, record
 from resilience.checkpoint.layout import LATEST, STAGING_PREFIX, TRASH_PREFIX
+from resilience.checkpoint.lineage import describe, is_checkpoint_named, set_aside
 from resilience.checkpoint.manifest import write_manifest
 from resilience.checkpoint.pointers import write_pointer
 from resilience.distributed import DistContext
@@ -34,6 +36,8 @@ try:  # DCP's CheckpointException derives from BaseException, not Exception
 except ImportError:  # pragma: no cover - torch without DCP
     _DCPError = Exception
 _FAILURES = (Exception, _DCPError)
+
+log = logging.getLogger("resilience.checkpoint")
 
 
 class CheckpointSaveError(RuntimeError):
@@ -135,7 +139,7 @@ def save_checkpoint(
             for dirpath, _, _ in os.walk(staging):
                 fsync_dir(Path(dirpath))
             _phase("rename")
-            _rename_into_place(root, staging, final)
+            _rename_into_place(root, staging, final, parent=meta.get("parent"))
             _phase("pointer")
             write_pointer(root, LATEST, final)
         except _FAILURES as exc:  # noqa: BLE001
@@ -200,20 +204,28 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
     return records, error
 
 
-def _rename_into_place(root: Path, staging: Path, final: Path) -> None:
-    """Rename ``staging`` to ``final``; an existing ``final`` (a re-save of the same step) is
-    moved aside first and deleted only after the new one is in place."""
-    trash = None
+def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = None) -> None:
+    """Rename ``staging`` to ``final``. An existing ``final`` that is the checkpoint this one
+    continues (``parent``: a re-save of the same step) is moved aside first and deleted only after
+    the new one is in place; any other (another timeline's, see :mod:`resilience.checkpoint.lineage`)
+    is moved aside to ``<name>.abandoned-<time>`` and kept, with a warning naming it."""
+    trash = abandoned = None
     if final.exists():
-        trash = root / f"{TRASH_PREFIX}{final.name}"
-        if trash.exists():
-            shutil.rmtree(trash)
-        os.rename(final, trash)
+        if is_checkpoint_named(final, parent):
+            trash = root / f"{TRASH_PREFIX}{final.name}"
+            if trash.exists():
+                shutil.rmtree(trash)
+            os.rename(final, trash)
+        else:
+            what = describe(final)
+            abandoned = set_aside(root, final)
+            log.warning("%s already held a checkpoint of another timeline (%s), not the one this run continues: "
+                        "moved it aside to %s (kept; delete it when it is not needed)", final.name, what, abandoned.name)
     try:
         os.rename(staging, final)
     except OSError:
-        if trash is not None:
-            os.rename(trash, final)  # put the previous save of this step back where LATEST may point
+        if trash is not None or abandoned is not None:
+            os.rename(trash or abandoned, final)  # put the previous checkpoint of this name back where LATEST may point
         raise
     fsync_dir(root)
     if trash is not None:

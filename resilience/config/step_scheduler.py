@@ -37,8 +37,11 @@ class StepSchedulerConfig:
     """With ``agreement_every_steps: auto``, the target time between agreement rounds, in seconds
     (default 0.1: a stop within ~0.2 s)."""
     global_batch_size: int | None = None
-    """Samples per optimizer step over all ranks (MindSpore ``training.global_batch_size``). Recorded in
-    each checkpoint; resuming with a different value rescales ``global_step`` by old/new (default null)."""
+    """Samples per optimizer step over all ranks (MindSpore ``training.global_batch_size``); default null:
+    the loader's batch size summed over the ranks (null when it cannot be read). Recorded in each
+    checkpoint; resuming with a different value continues the epoch at the next unseen sample, or is
+    refused (exit 2) when the samples consumed are not a whole number of new batches. ``global_step``
+    keeps counting optimizer steps either way (see :mod:`resilience.state.batch_size`)."""
     val_every_steps: int | None = None
     """Validate every N global steps: sets ``Step.is_val_step`` for the training loop (default null)."""
     wall_time_s: float | None = None

@@ -54,10 +54,17 @@ def is_stateful(loader: Any) -> bool:
 def set_epoch(loader: Any, epoch: int) -> None:
     """Call ``set_epoch`` on the loader's sampler (``DistributedSampler``) and batch sampler if they have it,
     so each epoch's shuffle is a function of (seed, epoch) and can be replayed on resume."""
+    setter = epoch_setter(loader)
+    if setter is not None:
+        setter.set_epoch(epoch)
+
+
+def epoch_setter(loader: Any) -> Any:
+    """The loader's sampler, batch sampler or the loader itself, the first with ``set_epoch``; else None."""
     for obj in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None), loader):
         if obj is not None and callable(getattr(obj, "set_epoch", None)):
-            obj.set_epoch(epoch)
-            return
+            return obj
+    return None
 
 
 def data_position_json(loader: Any, batches_in_epoch: int) -> str:

@@ -1,0 +1,131 @@
+"""The global batch size (samples per optimizer step over all ranks) and a change of it at resume.
+
+Every checkpoint records the global batch it was trained with (``meta.global_batch_size``):
+``step_scheduler.global_batch_size`` when given, else the loader's batch size summed over the
+ranks. At resume with another value the epoch continues exactly at the next unseen sample, or
+the resume is refused (:class:`BatchSizeChangeRefused`, exit 2) — samples are never skipped or
+repeated silently. The counters' rule, the one Megatron/NeMo keep under a batch-size ramp:
+``global_step`` counts optimizer steps of the whole run and never goes back, so the LR
+scheduler's step (it counts ``optimizer.step()`` calls) stays equal to it and new checkpoint
+names stay above the existing ones; only the position within the epoch is re-expressed in
+batches of the new size.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from resilience.config.checks import ConfigError
+from resilience.distributed import DistContext
+from resilience.state.data_position import epoch_setter, is_stateful, loader_length
+
+log = logging.getLogger("resilience")
+
+KEY = "step_scheduler.global_batch_size"
+
+
+class BatchSizeChangeRefused(ConfigError):
+    """The global batch changed since the checkpoint and the epoch cannot continue exactly with it."""
+
+
+def loader_batch_size(loader: Any) -> int | None:
+    """Samples per batch of ``loader`` on this rank: its ``batch_size``, else its batch sampler's;
+    ``None`` when it cannot be known (a list of batches, ``batch_size=None``, a custom sampler)."""
+    for obj in (loader, getattr(loader, "batch_sampler", None)):
+        size = getattr(obj, "batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+            return size
+    return None
+
+
+def global_batch_size(configured: int | None, loader: Any, ctx: DistContext) -> int | None:
+    """``configured`` when given, else the sum of every rank's :func:`loader_batch_size`, or
+    ``None`` when any rank's cannot be known. A collective (every rank calls it) when not configured."""
+    if configured is not None:
+        return configured
+    sizes = ctx.all_gather_object(loader_batch_size(loader))
+    return None if any(size is None for size in sizes) else sum(sizes)
+
+
+def epoch_complete(loader: Any, batches_in_epoch: int) -> bool:
+    """True when every batch of the epoch is consumed (the loader has a length and it is reached)."""
+    length = loader_length(loader)
+    return length is not None and batches_in_epoch >= length
+
+
+def continue_with_batch_size(
+    step_state: dict[str, int], data_position: dict[str, Any] | None, meta: dict[str, Any], new: int | None,
+    *, loader: Any, checkpoint: str, configured: bool,
+) -> tuple[dict[str, int], dict[str, Any] | None]:
+    """The step counters and data position to resume with under global batch ``new``.
+
+    Unchanged when the global batch is the same or either side is unknown (``None``: nothing to
+    compare; the epoch continues by batch count, as saved). When it changed, the samples consumed
+    in the epoch (``batches_in_epoch x old``) must be a whole number of new batches: the position
+    becomes that number of batches. A torchdata ``StatefulDataLoader``'s own state counts samples
+    and is loaded as saved; any other loader replays the epoch's sampler order (``set_epoch`` or
+    the saved RNG) and skips those batches. An epoch that was complete stays complete.
+    ``global_step`` and ``epoch`` are never changed.
+
+    Args:
+        step_state: the checkpoint's ``step_scheduler.json`` (epoch, batches_in_epoch, global_step).
+        data_position: this rank's saved data position, or ``None``.
+        meta: the checkpoint's manifest meta (``global_batch_size``, ``epoch_complete``).
+        new: this run's global batch size, or ``None`` when unknown.
+        loader: this run's dataloader (its length ends a complete epoch).
+        checkpoint: the checkpoint's name, for messages.
+        configured: ``new`` came from the configuration (else from the loader), for messages.
+
+    Raises:
+        BatchSizeChangeRefused: the consumed samples are not a whole number of new batches, or the
+            loader is stateful, its state does not count samples and its order cannot be replayed.
+    """
+    old = meta.get("global_batch_size")
+    if old is None or new is None or old == new:
+        if old is not None and new is None:
+            log.warning("%s was trained with a global batch of %d samples; this run's cannot be known (its loader has "
+                        "no batch_size): a change would go unnoticed. Set %s to check it", checkpoint, old, KEY)
+        return step_state, data_position
+    batches = int(step_state["batches_in_epoch"])
+    samples = batches * int(old)
+    if meta.get("epoch_complete") and loader_length(loader) is not None:
+        moved = loader_length(loader)  # the next epoch starts fresh at any batch size
+    elif samples % new == 0:
+        moved = samples // new
+    else:
+        source = "configured" if configured else "the loader's batch size x world size, as step_scheduler.global_batch_size is null"
+        raise BatchSizeChangeRefused(
+            f"{KEY} changed from {old} (saved in {checkpoint}) to {new} ({source}): the {samples} samples of epoch "
+            f"{step_state['epoch']} consumed so far are not a whole number of batches of {new}, so resuming would "
+            f"skip or repeat samples. Resume with a global batch of {old}, or of a size that divides {samples}, or "
+            "from a checkpoint at an epoch's end"
+        )
+    log.warning(
+        "%s: global batch %d -> %d samples: epoch %d continues after its %d consumed samples (batch %d of the new size); "
+        "global_step %d continues (it counts optimizer steps, as the LR scheduler does)",
+        checkpoint, old, new, step_state["epoch"], samples, moved, step_state["global_step"],
+    )
+    state = {**step_state, "batches_in_epoch": moved}
+    if data_position is None:
+        return state, None
+    if _counts_samples(data_position.get("loader")):
+        # torchdata's StatefulDataLoader: its batch sampler's state counts samples, so loaded into the
+        # loader of the new batch size it continues at the same sample, whatever its sampler
+        return state, {**data_position, "batches_in_epoch": moved}
+    if is_stateful(loader) and epoch_setter(loader) is None and data_position.get("epoch_rng") is None:
+        raise BatchSizeChangeRefused(
+            f"{KEY} changed from {old} (saved in {checkpoint}) to {new}, and the loader's own state does not count "
+            "samples (no torchdata samples_yielded) while its sampler has no set_epoch: the epoch's order cannot be "
+            f"replayed exactly. Resume with a global batch of {old}, from a checkpoint at an epoch's end, or use a "
+            "sampler with set_epoch (DistributedSampler)"
+        )
+    # replay the epoch's sampler order (set_epoch, or the saved RNG) and skip `moved` batches of the new size
+    return state, {**data_position, "batches_in_epoch": moved, "loader": None}
+
+
+def _counts_samples(loader_state: Any) -> bool:
+    """True for a torchdata ``StatefulDataLoader`` state (single process): its batch sampler's
+    ``samples_yielded``, which a loader of another batch size resumes from sample for sample."""
+    inner = loader_state.get("_sampler_iter_state") if isinstance(loader_state, dict) else None
+    return isinstance(inner, dict) and isinstance(inner.get("samples_yielded"), int)
