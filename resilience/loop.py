@@ -85,7 +85,8 @@ class ResilientLoop:
         self.state = state
         self.ctx = ctx if ctx is not None else DistContext.from_env()
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, run_config=config.to_dict(), run_id=run_id_from_env())
-        self.checkpointer.global_batch_size = global_batch_size(config.step_scheduler.global_batch_size, state.dataloader, self.ctx)
+        self.checkpointer.global_batch_size = global_batch_size(
+            config.step_scheduler.global_batch_size, state.dataloader, self.ctx, config.step_scheduler.gradient_accumulation_steps)
         self.scheduler = StepScheduler(config.step_scheduler.num_epochs, config.step_scheduler.max_steps)
         self.exit_code: ExitCode | None = None
         """Set when the loop ends: DONE, PREEMPTED (a checkpoint of the stop step is published), FAILED,
@@ -346,6 +347,7 @@ class ResilientLoop:
         restored.step_scheduler, restored.data_position = continue_with_batch_size(
             restored.step_scheduler, restored.data_position, restored.meta, self.checkpointer.global_batch_size,
             loader=self.state.dataloader, checkpoint=directory.name, configured=self.config.step_scheduler.global_batch_size is not None,
+            accumulation=self.config.step_scheduler.gradient_accumulation_steps,
         )
         self.scheduler.load_state_dict(restored.step_scheduler)
         if self.checkpointer.run_id is None and self.checkpointer.resume_source != "load_path":

@@ -105,3 +105,28 @@ def test_a_stateful_loader_whose_order_cannot_be_replayed_refuses_a_batch_change
     # the same global batch: resumed by its own state, as saved
     assert continue_with_batch_size(step_state, position, {"global_batch_size": 6}, 6, loader=BatchCountingLoader(),
                                     checkpoint="epoch_1_step_15", configured=False) == (step_state, position)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_change_of_micro_batch_at_the_same_global_batch_continues_at_the_next_sample(tmp_path):
+    """Saved with batch 2 x 2 accumulated micro-batches, resumed with batch 4 and no accumulation: the
+    global batch (4) is unchanged but the position, counted in loader batches, must be re-expressed
+    (10 micro-batches of 2 are 5 batches of 4), or 20 samples would be skipped."""
+    ckpt = tmp_path / "ck"
+    first = run(ckpt, tmp_path / "a.rec", batch=2, overrides=["step_scheduler.gradient_accumulation_steps=2", "step_scheduler.max_steps=5"])
+    assert first == [ExitCode.DONE]
+    assert validate(ckpt / "epoch_0_step_5")["meta"]["gradient_accumulation_steps"] == 2
+    assert run(ckpt, tmp_path / "b.rec", batch=4) == [ExitCode.DONE]
+    before, after = steps(tmp_path / "a.rec"), steps(tmp_path / "b.rec")
+    check_counters({**before, **after})
+    assert all(len(row["ids"]) == 4 for row in [*before.values(), *after.values()])
+    assert sorted(i for row in [*before.values(), *after.values()] for i in row["ids"]) == EPOCH, "every sample once"
+
+
+def test_a_configured_global_batch_that_the_loaders_do_not_give_is_a_config_error(tmp_path):
+    """global_batch_size must be the loaders' batch sizes summed over the ranks x accumulation: any
+    other value would make the sample arithmetic of a later resume wrong."""
+    assert run(tmp_path / "ck", tmp_path / "a.rec", batch=4, overrides=["step_scheduler.global_batch_size=6"]) == [ExitCode.CONFIG_ERROR]
+    assert run(tmp_path / "ck2", tmp_path / "b.rec", batch=4, overrides=[
+        "step_scheduler.global_batch_size=8", "step_scheduler.gradient_accumulation_steps=2", "step_scheduler.max_steps=1"]) == [ExitCode.DONE]

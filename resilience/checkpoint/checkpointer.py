@@ -157,6 +157,8 @@ class Checkpointer:
             "run_id": self.run_id,
             "torch_version": torch.__version__,
             "global_batch_size": self.global_batch_size,
+            # batches_in_epoch counts micro-batches: a resume under another batch size needs both
+            "gradient_accumulation_steps": int(self.run_config.get("step_scheduler", {}).get("gradient_accumulation_steps") or 1),
             "epoch_complete": epoch_complete(state.dataloader, scheduler.batches_in_epoch),
             "optimizer_saved": state.optimizer is not None and not self.config.no_save_optim,
             "is_async": self._async is not None,

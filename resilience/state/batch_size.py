@@ -39,13 +39,24 @@ def loader_batch_size(loader: Any) -> int | None:
     return None
 
 
-def global_batch_size(configured: int | None, loader: Any, ctx: DistContext) -> int | None:
-    """``configured`` when given, else the sum of every rank's :func:`loader_batch_size`, or
-    ``None`` when any rank's cannot be known. A collective (every rank calls it) when not configured."""
-    if configured is not None:
-        return configured
+def global_batch_size(configured: int | None, loader: Any, ctx: DistContext, accumulation: int = 1) -> int | None:
+    """Samples per optimizer step over all ranks: ``configured`` when given, else the sum of every
+    rank's :func:`loader_batch_size` times ``accumulation`` (``step_scheduler.gradient_accumulation_steps``),
+    or ``None`` when any rank's cannot be known. A collective (every rank calls it).
+
+    Raises:
+        ConfigError: ``configured`` differs from what the loaders give (sum x ``accumulation``): the
+            sample arithmetic of a resume with another batch size would then be wrong.
+    """
     sizes = ctx.all_gather_object(loader_batch_size(loader))
-    return None if any(size is None for size in sizes) else sum(sizes)
+    derived = None if any(size is None for size in sizes) else sum(sizes) * accumulation
+    if configured is not None and derived is not None and configured != derived:
+        raise ConfigError(
+            f"{KEY}: {configured} does not match the loaders: batch sizes {sizes} over {len(sizes)} rank(s) x "
+            f"step_scheduler.gradient_accumulation_steps {accumulation} = {derived} samples per optimizer step. "
+            f"Set {KEY} to {derived}, or null to derive it"
+        )
+    return configured if configured is not None else derived
 
 
 def epoch_complete(loader: Any, batches_in_epoch: int) -> bool:
@@ -56,13 +67,14 @@ def epoch_complete(loader: Any, batches_in_epoch: int) -> bool:
 
 def continue_with_batch_size(
     step_state: dict[str, int], data_position: dict[str, Any] | None, meta: dict[str, Any], new: int | None,
-    *, loader: Any, checkpoint: str, configured: bool,
+    *, loader: Any, checkpoint: str, configured: bool, accumulation: int = 1,
 ) -> tuple[dict[str, int], dict[str, Any] | None]:
     """The step counters and data position to resume with under global batch ``new``.
 
     Unchanged when the global batch is the same or either side is unknown (``None``: nothing to
     compare; the epoch continues by batch count, as saved). When it changed, the samples consumed
-    in the epoch (``batches_in_epoch x old``) must be a whole number of new batches: the position
+    in the epoch (``batches_in_epoch`` loader batches of ``old / A_old`` samples over all ranks) must be
+    a whole number of new loader batches (``new / A_new``): the position
     becomes that number of batches. A torchdata ``StatefulDataLoader``'s own state counts samples
     and is loaded as saved; any other loader replays the epoch's sampler order (``set_epoch`` or
     the saved RNG) and skips those batches. An epoch that was complete stays complete.
@@ -76,28 +88,36 @@ def continue_with_batch_size(
         loader: this run's dataloader (its length ends a complete epoch).
         checkpoint: the checkpoint's name, for messages.
         configured: ``new`` came from the configuration (else from the loader), for messages.
+        accumulation: this run's ``gradient_accumulation_steps`` (the checkpoint's is in ``meta``,
+            1 when absent): positions count loader batches of global batch / accumulation samples.
 
     Raises:
         BatchSizeChangeRefused: the consumed samples are not a whole number of new batches, or the
             loader is stateful, its state does not count samples and its order cannot be replayed.
     """
     old = meta.get("global_batch_size")
-    if old is None or new is None or old == new:
+    if old is None or new is None:
         if old is not None and new is None:
             log.warning("%s was trained with a global batch of %d samples; this run's cannot be known (its loader has "
                         "no batch_size): a change would go unnoticed. Set %s to check it", checkpoint, old, KEY)
         return step_state, data_position
-    batches = int(step_state["batches_in_epoch"])
-    samples = batches * int(old)
+    # batches_in_epoch counts loader batches (micro-batches) of global batch / accumulation samples over all
+    # ranks: only a change of that size moves the position (a change of the accumulation alone does not)
+    old_per_batch = int(old) // int(meta.get("gradient_accumulation_steps") or 1)
+    per_batch = new // accumulation
+    if old_per_batch == per_batch:
+        return step_state, data_position
+    samples = int(step_state["batches_in_epoch"]) * old_per_batch
     if meta.get("epoch_complete") and loader_length(loader) is not None:
         moved = loader_length(loader)  # the next epoch starts fresh at any batch size
-    elif samples % new == 0:
-        moved = samples // new
+    elif samples % per_batch == 0:
+        moved = samples // per_batch
     else:
         source = "configured" if configured else "the loader's batch size x world size, as step_scheduler.global_batch_size is null"
         raise BatchSizeChangeRefused(
             f"{KEY} changed from {old} (saved in {checkpoint}) to {new} ({source}): the {samples} samples of epoch "
-            f"{step_state['epoch']} consumed so far are not a whole number of batches of {new}, so resuming would "
+            f"{step_state['epoch']} consumed so far are not a whole number of loader batches of {per_batch} over all ranks "
+            f"(a global batch of {new} in {accumulation} micro-batch(es)), so resuming would "
             f"skip or repeat samples. Resume with a global batch of {old}, or of a size that divides {samples}, or "
             "from a checkpoint at an epoch's end"
         )

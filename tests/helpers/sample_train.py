@@ -8,7 +8,8 @@ line per step to ``RECORD_FILE.rank<R>``: ``{"step", "ids", "loss", "lr_step", "
 ``DataLoader(shuffle=True)`` on one rank, with a ``DistributedSampler`` on more), ``stateful``
 (``StatefulDataLoader`` with a shuffling ``DistributedSampler``) or ``stateful_shuffle``
 (``StatefulDataLoader(shuffle=True)``: its order drawn from the global RNG); ``BATCH``: the per-rank batch
-size (default 4). A model under DDP on more ranks, SGD, an exponential LR schedule. Exits with
+size (default 4). With ``step_scheduler.gradient_accumulation_steps`` the optimizer steps on
+``step.is_optimizer_step`` and the row of a step lists the ids of all its micro-batches. A model under DDP on more ranks, SGD, an exponential LR schedule. Exits with
 ``loop.exit_code`` (2 for a configuration error).
 """
 
@@ -56,19 +57,28 @@ lr_scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.95)
 out = os.open(f"{record}.rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
 try:
-    loop = resilient_loop(cfg, model=net, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=loader)
+    try:
+        loop = resilient_loop(cfg, model=net, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=loader)
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        sys.exit(int(ExitCode.CONFIG_ERROR))
+    ids: list[int] = []
     with loop:
         for step in loop:
             (x,) = step.batch
             loss = net(x / samples).sub(1).pow(2).mean()
-            optimizer.zero_grad()
             loss.backward()
+            ids += x.squeeze(1).long().tolist()
+            if not step.is_optimizer_step:
+                continue
             optimizer.step()
+            optimizer.zero_grad()
             lr_scheduler.step()
             loop.log(loss=loss.item())
-            row = {"step": step.global_step, "ids": x.squeeze(1).long().tolist(), "loss": loss.item(),
+            row = {"step": step.global_step, "ids": ids, "loss": loss.item(),
                    "lr_step": lr_scheduler.last_epoch, "lr": lr_scheduler.get_last_lr()[0]}
             os.write(out, (json.dumps(row) + "\n").encode())
+            ids = []
     print(f"rank {rank}: exit {int(loop.exit_code)}", flush=True)
 finally:
     if world > 1:  # free DDP, then the group (either alive at exit can abort the process)
