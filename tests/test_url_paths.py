@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from resilience import cli, resilient_loop
+from test_bad_input import attempt  # the tiny training run under a config
+
+from resilience import cli
 from resilience.config import ConfigError, config_from_dict, load_config
 
 URLS = ["s3://bucket/x", "gs://bucket/x", "hdfs://namenode/x", "az://container/x"]
@@ -30,24 +31,6 @@ KEYS = [
 ]
 
 
-def _train(config: dict) -> tuple[BaseException | None, list[int]]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    batches = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(3)]
-    ran: list[int] = []
-    try:
-        with resilient_loop(config, model=model, optimizer=optimizer, dataloader=batches) as loop:
-            for step in loop:
-                x, y = step.batch
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                optimizer.step()
-                ran.append(step.global_step)
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return exc, ran
-    return None, ran
-
-
 @pytest.mark.parametrize("url", URLS)
 @pytest.mark.parametrize("section,key", KEYS)
 def test_an_object_store_url_in_any_path_key_is_a_config_error_naming_the_key_before_any_step(tmp_path, monkeypatch, section, key, url):
@@ -55,7 +38,7 @@ def test_an_object_store_url_in_any_path_key_is_a_config_error_naming_the_key_be
     config: dict = {section: {key: url}}
     if key not in ("checkpoint_dir", "save_path"):
         config.setdefault("checkpoint", {})["checkpoint_dir"] = str(tmp_path / "ck")
-    error, ran = _train(config)
+    error, ran = attempt(config)
     assert isinstance(error, ConfigError), repr(error)
     assert f"{section}.{key}={url!r}" in str(error)
     assert "URLs are not supported" in str(error) and "file:///absolute/path" in str(error)
@@ -74,8 +57,8 @@ def test_a_file_url_is_the_local_path_it_names_and_no_folder_called_file_is_made
     work.mkdir()
     monkeypatch.chdir(work)
     target = tmp_path / "my ck"
-    error, ran = _train({"checkpoint": {"checkpoint_dir": "file://" + str(target).replace(" ", "%20")}})
-    assert error is None and ran == [1, 2, 3]
+    error, ran = attempt({"checkpoint": {"checkpoint_dir": "file://" + str(target).replace(" ", "%20")}})
+    assert error is None and ran == [1, 2, 3, 4]
     assert (target / "LATEST").exists()
     assert os.listdir(work) == []
     cfg = config_from_dict({"checkpoint": {"checkpoint_dir": "file:///scratch/ck", "restore_from": "file://localhost/scratch/ck/epoch_0_step_2"}})
