@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from resilience.config.checks import ConfigError
+from resilience.config.mindspore_names import normalize_aliases
 from resilience.config.resilience_config import SECTIONS, ResilienceConfig
 
 
@@ -39,7 +40,6 @@ def config_from_dict(data: Mapping[str, Any] | None) -> ResilienceConfig:
             top-level name close to one of ours, or a value of the wrong type or range;
             MindSpore Transformers and NeMo spellings of one setting that disagree.
     """
-    from resilience.mindspore_compat import normalize_aliases  # imports ConfigError from here
 
     data = normalize_aliases(dict(data or {}))
     sections = {}

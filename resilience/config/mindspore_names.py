@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from resilience.config import ConfigError
-from resilience.config.checks import check_local_path
+from resilience.config.checks import ConfigError, check_local_path
 
 # (MindSpore section, key) -> (our section, key): same meaning, either spelling accepted.
 ALIASES: dict[tuple[str, str], tuple[str, str]] = {
