@@ -122,3 +122,33 @@ def test_checkpoints_without_lineage_metadata_still_load_and_are_set_aside_when_
     (root / LATEST).unlink()
     assert train_in_process(root, 8) == [7, 8]  # the new step 6, not the old-format step 8
     assert validate(root / "epoch_0_step_8")["meta"]["parent"]["name"] == "epoch_0_step_6"
+
+
+def test_lowest_val_naming_a_checkpoint_set_aside_follows_it_and_is_put_back_if_the_rename_fails(tmp_path):
+    """LOWEST_VAL names a checkpoint by name: when another timeline's checkpoint is set aside for a
+    new one of the same name, the pointer must keep naming the checkpoint whose metric it records."""
+    from resilience.checkpoint.best import LOWEST_VAL
+    from resilience.checkpoint.pointers import read_pointer, write_pointer
+    from resilience.checkpoint.writer import _rename_into_place
+
+    root = tmp_path / "ck"
+    old = root / "epoch_0_step_20"
+    old.mkdir(parents=True)
+    (old / "marker").write_text("old timeline")
+    write_pointer(root, LOWEST_VAL, old)
+    staging = root / ".staging_epoch_0_step_20"
+    staging.mkdir()
+    (staging / "marker").write_text("new timeline")
+    _rename_into_place(root, staging, old, parent=None)
+    best = read_pointer(root, LOWEST_VAL)
+    assert best.name.startswith("epoch_0_step_20.abandoned-") and (best / "marker").read_text() == "old timeline"
+    assert (old / "marker").read_text() == "new timeline"
+
+    # a failed rename puts the old checkpoint and the pointer back
+    write_pointer(root, LOWEST_VAL, old)
+    (root / "epoch_0_step_30").mkdir()
+    write_pointer(root, LOWEST_VAL, root / "epoch_0_step_30")
+    missing = root / ".staging_gone"
+    with pytest.raises(OSError):
+        _rename_into_place(root, missing, root / "epoch_0_step_30", parent=None)
+    assert read_pointer(root, LOWEST_VAL).name == "epoch_0_step_30" and (root / "epoch_0_step_30").is_dir()

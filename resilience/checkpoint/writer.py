@@ -24,11 +24,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from resilience.checkpoint.best import LOWEST_VAL
 from resilience.checkpoint.durable import FileRecord, fsync_dir, fsync_file, record
 from resilience.checkpoint.layout import LATEST, STAGING_PREFIX, TRASH_PREFIX
 from resilience.checkpoint.lineage import describe, is_checkpoint_named, set_aside
 from resilience.checkpoint.manifest import write_manifest
-from resilience.checkpoint.pointers import write_pointer
+from resilience.checkpoint.pointers import PointerError, read_pointer, write_pointer
 from resilience.distributed import DistContext
 
 try:  # DCP's CheckpointException derives from BaseException, not Exception
@@ -208,8 +209,9 @@ def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = 
     """Rename ``staging`` to ``final``. An existing ``final`` that is the checkpoint this one
     continues (``parent``: a re-save of the same step) is moved aside first and deleted only after
     the new one is in place; any other (another timeline's, see :mod:`resilience.checkpoint.lineage`)
-    is moved aside to ``<name>.abandoned-<time>`` and kept, with a warning naming it."""
-    trash = abandoned = None
+    is moved aside to ``<name>.abandoned-<time>`` and kept, with a warning naming it; a
+    ``LOWEST_VAL`` naming it follows it there (its metric is that checkpoint's, not the new one's)."""
+    trash = abandoned = best_moved = None
     if final.exists():
         if is_checkpoint_named(final, parent):
             trash = root / f"{TRASH_PREFIX}{final.name}"
@@ -221,15 +223,32 @@ def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = 
             abandoned = set_aside(root, final)
             log.warning("%s already held a checkpoint of another timeline (%s), not the one this run continues: "
                         "moved it aside to %s (kept; delete it when it is not needed)", final.name, what, abandoned.name)
+            best_moved = _follow_with_lowest_val(root, final, abandoned)
     try:
         os.rename(staging, final)
     except OSError:
         if trash is not None or abandoned is not None:
             os.rename(trash or abandoned, final)  # put the previous checkpoint of this name back where LATEST may point
+        if best_moved:
+            write_pointer(root, LOWEST_VAL, final)
         raise
     fsync_dir(root)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
+
+
+def _follow_with_lowest_val(root: Path, name: Path, moved_to: Path) -> bool:
+    """Point ``LOWEST_VAL`` at ``moved_to`` when it names ``name`` (True then): by name it would
+    otherwise name the new timeline's checkpoint about to take that name, with another metric."""
+    try:
+        target = read_pointer(root, LOWEST_VAL)
+    except PointerError:
+        return False
+    if target is None or target.name != name.name:
+        return False
+    write_pointer(root, LOWEST_VAL, moved_to)
+    log.warning("%s followed %s to %s", LOWEST_VAL, name.name, moved_to.name)
+    return True
 
 
 def remove_leftovers(root: Path) -> list[Path]:
