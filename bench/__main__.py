@@ -20,8 +20,9 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 SECTIONS = ("save", "load", "rss", "async", "agreement", "exit")
 

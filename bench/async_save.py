@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp

@@ -14,8 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.common import REPO, median, remove
 from resilience.exit_codes import ExitCode

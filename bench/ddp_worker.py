@@ -30,8 +30,8 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     from resilience.config import CheckpointConfig
     from resilience.distributed import DistContext
     from resilience.signals import SignalRecorder
-    from resilience.timing import RunTimer, auto_cadence
     from resilience.state.step_scheduler import StepScheduler
+    from resilience.timing import RunTimer, auto_cadence
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -14,8 +14,9 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -226,7 +227,7 @@ class _RssSampler:
                 self.peak = max(self.peak, int(fh.read().split()[1]) * self._page)
                 time.sleep(0.001)
 
-    def __enter__(self) -> "_RssSampler":
+    def __enter__(self) -> _RssSampler:
         self._thread.start()
         return self
 

@@ -27,7 +27,7 @@ class DistContext:
     """True when :meth:`from_env` created ``group`` (then :meth:`close` destroys it)."""
 
     @classmethod
-    def from_env(cls, *, timeout_s: float | None = None) -> "DistContext":
+    def from_env(cls, *, timeout_s: float | None = None) -> DistContext:
         """Describe the current process. When torch.distributed is initialised this creates a new
         gloo group, which is a collective: every rank must call it, in the same order.
         ``timeout_s`` bounds each collective on it (default: torch's, 30 minutes)."""

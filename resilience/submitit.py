@@ -68,7 +68,8 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import submitit
 from submitit.core.job_environment import JobEnvironment, SignalHandler
@@ -242,7 +243,7 @@ class _Gate:
         self._submitit = submitit_handler
         self._previous: Any = None
 
-    def __enter__(self) -> "_Gate":
+    def __enter__(self) -> _Gate:
         self._previous = signal.signal(self.sig, self._handle)
         return self
 

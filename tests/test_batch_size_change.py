@@ -9,12 +9,12 @@ loader's batch size x world size since ``step_scheduler.global_batch_size`` is n
 from __future__ import annotations
 
 import pytest
-from sample_runs import run, steps
 
 from resilience import ExitCode
 from resilience.checkpoint.layout import LATEST
 from resilience.checkpoint.manifest import validate
 from resilience.checkpoint.pointers import read_pointer
+from sample_runs import run, steps
 
 EPOCH = list(range(48))
 

@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from runs import latest_name, run
 
 from resilience import ExitCode
 from resilience.checkpoint.manifest import validate
+from runs import latest_name, run
 
 pytestmark = pytest.mark.multiproc
 SHORT = ["step_scheduler.num_epochs=2"]  # 22 global batches of 64 per epoch at any world size

@@ -14,9 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runs import compare, latest_name, run  # noqa: E402
-
 from resilience import ExitCode  # noqa: E402
+from runs import compare, latest_name, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2] / "runs" / "demo"
 

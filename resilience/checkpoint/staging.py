@@ -10,7 +10,7 @@ by every later save; pinned when CUDA is present so device-to-host copies run as
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 

@@ -34,7 +34,8 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 log = logging.getLogger("resilience")
 
