@@ -168,12 +168,12 @@ class ResilientLoop:
     def _run(self) -> Iterator[Step]:
         sched_cfg = self.config.step_scheduler
         scheduler = self.scheduler
-        loader = self.state.dataloader
         warning = signal_reach_warning()
         if warning and self.ctx.rank == 0 and sched_cfg.signals:
             log.warning(warning)
         try:
-            with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=1 if self._auto_cadence else sched_cfg.agreement_every_steps, adaptive=self._auto_cadence) as agreement:
+            every_steps = 1 if self._auto_cadence else sched_cfg.agreement_every_steps
+            with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=every_steps, adaptive=self._auto_cadence) as agreement:
                 # A stop the launcher or batch script recorded before this rank could receive it.
                 stop_before_start = mark_ready_and_check_stop(acts_on_stop=bool(sched_cfg.signals)) and bool(sched_cfg.signals)
                 self._pending = lambda: STOP_PREEMPTION if (signals or stop_before_start) else 0
@@ -415,6 +415,8 @@ def resilient_loop(
     """
     if not isinstance(config, ResilienceConfig):
         config = config_from_dict(config)
-    state = TrainingState(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, extra=dict(extra_state or {}), tokenizer=tokenizer)
+    state = TrainingState(
+        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, extra=dict(extra_state or {}), tokenizer=tokenizer
+    )
     release_at_exit(model)  # DDP's reducer, then the default group, freed at exit in the safe order
     return ResilientLoop(config, state)

@@ -158,6 +158,7 @@ class ResilientTask(submitit.helpers.Checkpointable):
         return f"ResilientTask({getattr(fn, '__qualname__', type(fn).__name__)}, attempt={self.attempt})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` in this job attempt; the class docstring says what each exit code does."""
         sig = JobEnvironment._usr_sig()
         handler = _submitit_handler(sig)
         if handler is None:  # not in a submitit job process: nothing can requeue

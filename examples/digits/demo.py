@@ -28,7 +28,10 @@ def main() -> int:
     print("1. 2-rank run; SIGUSR1 goes to rank 1 only, mid-epoch", flush=True)
     first = run(preempted, 2, signal_rank=1, signal_at_step=30, sig=signal.SIGUSR1)
     saved = latest_name(preempted)
-    print(f"   signal sent once rank 0 had logged step {first.signalled_at_step} (its log trails the ranks by a step or two); exit codes per rank: {first.codes}; saved: {saved}")
+    print(
+        f"   signal sent once rank 0 had logged step {first.signalled_at_step} (its log trails the ranks by a step or two); "
+        f"exit codes per rank: {first.codes}; saved: {saved}"
+    )
     if first.codes != [ExitCode.PREEMPTED] * 2:
         print(f"   FAIL: expected both ranks to exit {int(ExitCode.PREEMPTED)} (PREEMPTED)")
         ok = False

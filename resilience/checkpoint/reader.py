@@ -111,7 +111,9 @@ def _saved_at(directory: Path) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
-def find_resume_checkpoint(ctx: DistContext, root: Path, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True) -> Path | None:
+def find_resume_checkpoint(
+    ctx: DistContext, root: Path, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True
+) -> Path | None:
     """The checkpoint every rank should resume from, or ``None`` for a fresh start (collective).
 
     ``checksums=False`` checks sizes only (one ``stat`` per file): for a caller that loads the
