@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test lint bench install clean
 
 install: $(STAMP)
 
@@ -22,7 +22,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/digits/demo.py
 
-test: $(STAMP)
+# Lint first: a ruff violation (style, unused code, a missing docstring in resilience/) fails the target.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: lint
 	$(PY) -m pytest
 
 bench: $(STAMP)

@@ -20,8 +20,9 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 SECTIONS = ("save", "load", "rss", "async", "agreement", "exit")
 
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench import ddp, storage
 
         section("save", lambda: storage.bench_save(run_dir, model, optimizer, args.repeat, log))
-        section("load", lambda: storage.bench_load(run_dir, model, optimizer, args.repeat, log) if "error" not in results.get("save", {}) else _raise("the save section failed"))
+        section("load", lambda: storage.bench_load(run_dir, model, optimizer, args.repeat, log)
+                if "error" not in results.get("save", {}) else _raise("the save section failed"))
         if model is not None and not args.no_breakdown and "save" in args.only:
             args.only.append("breakdown")
             section("breakdown", lambda: storage.breakdown(run_dir, model, optimizer))
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             from bench import async_save
 
             section("async", lambda: async_save.bench_async(run_dir, model, optimizer, args.repeat, log))
-        del model, optimizer
+        model = optimizer = None  # free them before the agreement runs (the lambdas above have run)
         quick = args.quick
         section("agreement", lambda: ddp.bench_agreement(
             run_dir, rounds=1 if quick else max(2 * args.repeat, 4), steps=20 if quick else 300, big_k=10,

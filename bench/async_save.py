@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -84,7 +85,8 @@ def bench_async(work: Path, model, optimizer, repeat: int, log: Callable[[str], 
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        stagers["dcp_async_staged"] = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False))
+        stagers["dcp_async_staged"] = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                                                                   use_non_blocking_copy=False))
     except Exception:  # noqa: BLE001 - an older torch: that peer is simply not measured
         pass
 
@@ -142,7 +144,7 @@ def bench_async(work: Path, model, optimizer, repeat: int, log: Callable[[str], 
             stagers[name].close()  # frees its staging buffers
         elif name == "ours" and callable(getattr(ours, "close", None)):
             ours.close()  # waits for nothing left, frees the staging buffers
-    del staging
+    staging = None  # free the buffers (memcpy above has run)
     for path in (ours_root, work / "async_dcp", *(work / name for name in stagers)):
         remove(path)
     return {

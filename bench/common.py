@@ -17,8 +17,8 @@ import re
 import shutil
 import statistics
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 

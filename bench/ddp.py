@@ -14,8 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.common import REPO, median, remove
 from resilience.exit_codes import ExitCode
@@ -29,7 +30,9 @@ def _env() -> dict[str, str]:
     return {"PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""), "OMP_NUM_THREADS": "1"}
 
 
-def bench_agreement(work: Path, *, rounds: int, steps: int, big_k: int, latency_trials: int, saves: int, timeout_s: float, log: Callable[[str], None]) -> dict[str, Any]:
+def bench_agreement(
+    work: Path, *, rounds: int, steps: int, big_k: int, latency_trials: int, saves: int, timeout_s: float, log: Callable[[str], None]
+) -> dict[str, Any]:
     """Run :mod:`bench.ddp_worker` on 2 ranks and summarise its blocks.
 
     Returns the raw blocks plus, per variant, the median over rounds of its mean step time and
@@ -176,7 +179,10 @@ def signal_to_exit(work: Path, *, mode: str, after_steps: int, timeout_s: float,
     }
 
 
-def bench_exit(work: Path, *, trials: int, modes: tuple[str, ...], after_steps: int, timeout_s: float, log: Callable[[str], None], teardown_cases: tuple[str, ...] = ("plain", "gc_freeze", "os_exit")) -> dict[str, Any]:
+def bench_exit(
+    work: Path, *, trials: int, modes: tuple[str, ...], after_steps: int, timeout_s: float, log: Callable[[str], None],
+    teardown_cases: tuple[str, ...] = ("plain", "gc_freeze", "os_exit"),
+) -> dict[str, Any]:
     """``trials`` runs per mode (``all``, ``one``), alternating; medians per mode; and the
     interpreter teardown anchor (:func:`interpreter_teardown`)."""
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}

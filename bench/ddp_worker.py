@@ -30,8 +30,8 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     from resilience.config import CheckpointConfig
     from resilience.distributed import DistContext
     from resilience.signals import SignalRecorder
-    from resilience.timing import RunTimer, auto_cadence
     from resilience.state.step_scheduler import StepScheduler
+    from resilience.timing import RunTimer, auto_cadence
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     delay = rng.uniform(0.1, 0.3)
 
-                    def fire(delay: float = delay) -> None:
+                    def fire(delay: float = delay, kill_at: list[float] = kill_at) -> None:
                         time.sleep(delay)
                         kill_at.append(time.monotonic())
                         os.kill(pids[world - 1], signal.SIGUSR1)
@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         checkpointer.save(state, StepScheduler(num_epochs=1, global_step=counter[0] + i + 1))
         save_s.append(time.perf_counter() - start)
     if rank == 0:
-        result = {"world_size": world, "steps_per_block": args.steps, "rounds": args.rounds, "big_k": big_k, "blocks": per_block, "stop_latency": latency, "save_s": save_s}
+        result = {"world_size": world, "steps_per_block": args.steps, "rounds": args.rounds, "big_k": big_k, "blocks": per_block,
+                  "stop_latency": latency, "save_s": save_s}
         Path(args.out).write_text(json.dumps(result, indent=1))
     dist.barrier()
     dist.destroy_process_group()

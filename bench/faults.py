@@ -535,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         counts["LATEST none" if latest is None else "LATEST valid" if not problems else "LATEST torn"] += 1
         if problems:
             counts["torn"] += 1
-            failures.append(f"trial {trial}: torn after a kill {where} ({phase}){' (self-test tore ' + torn_file + ')' if torn_file else ''}: {'; '.join(problems)}")
+            self_test = f" (self-test tore {torn_file})" if torn_file else ""
+            failures.append(f"trial {trial}: torn after a kill {where} ({phase}){self_test}: {'; '.join(problems)}")
 
         # 3. resume, compare
         resume_args = (str(ckpt), mode, str(base / "resume.events"), args.phase_sleep, args.every)

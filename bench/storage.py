@@ -9,13 +9,15 @@ the same filesystem, and each round measures the disk's own rate beside them:
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -149,7 +151,7 @@ def bench_save(work: Path, model, optimizer, repeat: int, log: Callable[[str], N
             remove(paths[name])
             os.sync()
             touch_memory(state_bytes)
-            seconds, _ = timed(lambda: runs[name](r))
+            seconds, _ = timed(functools.partial(runs[name], r))
             times[name].append(seconds)
             written[name] = size_on_disk(paths[name])
             drop_cache([paths[name]])  # keep the page cache from filling up with our own output
@@ -226,7 +228,7 @@ class _RssSampler:
                 self.peak = max(self.peak, int(fh.read().split()[1]) * self._page)
                 time.sleep(0.001)
 
-    def __enter__(self) -> "_RssSampler":
+    def __enter__(self) -> _RssSampler:
         self._thread.start()
         return self
 
@@ -265,7 +267,7 @@ def bench_peak_rss(work: Path, model, optimizer, repeat: int, log: Callable[[str
         for name in rotate(list(runs), r):
             remove(target)
             touch_memory(state_bytes)  # before the reset: its peak does not count
-            peak, how = peak_extra_rss(lambda: runs[name](r))
+            peak, how = peak_extra_rss(functools.partial(runs[name], r))
             extra[name].append(peak)
             drop_cache([target])
             log(f"peak rss round {r + 1}/{repeat}: {name:<10} +{peak / 2**20:8.1f} MiB ({peak / state_bytes:.1%} of the state)")

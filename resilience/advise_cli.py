@@ -133,7 +133,10 @@ def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int | str 
     signal_name = settings.get("signal", "USR1")
     if agreement_every_steps == "auto":
         agreement_every_steps = auto_cadence(step_s, agreement_interval_s) or 1
-        notes.append(f"agreement_every_steps auto: k = {agreement_every_steps} for {step_s:.3f} s steps (a round every {agreement_interval_s:g} s at most, at least every step)")
+        notes.append(
+            f"agreement_every_steps auto: k = {agreement_every_steps} for {step_s:.3f} s steps "
+            f"(a round every {agreement_interval_s:g} s at most, at least every step)"
+        )
     needed = seconds_needed(step_s, save_s, agreement_every_steps=agreement_every_steps, safety=safety)
     lead_s = math.ceil(needed + SLURM_SIGNAL_INTERVAL_S)
     warnings = []
@@ -175,7 +178,11 @@ def add_advise_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     """Declare ``CHECKPOINT_DIR``, ``--safety``, ``--agreement-every-steps``, ``--median``, ``--json``."""
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint root (or one checkpoint directory)")
     parser.add_argument("--safety", default="1.5", help="factor on step + save time (default 1.5, as step_scheduler.deadline_safety)")
-    parser.add_argument("--agreement-every-steps", default=None, help="the stop agreement's cadence k in steps, or auto (step_scheduler.agreement_every_steps; default: the run's own, from its saved config.yaml, else auto): a stop may run 2k - 1 more steps")
+    parser.add_argument(
+        "--agreement-every-steps", default=None,
+        help="the stop agreement's cadence k in steps, or auto (step_scheduler.agreement_every_steps; default: the run's own, "
+        "from its saved config.yaml, else auto): a stop may run 2k - 1 more steps",
+    )
     parser.add_argument("--median", action="store_true", help="the median over all checkpoints instead of the newest timings")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     return parser

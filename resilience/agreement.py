@@ -88,7 +88,7 @@ class StopAgreement:
     :meth:`drain`, :meth:`agree_now` and :meth:`close` at the same points.
     """
 
-    def __init__(self, group: "dist.ProcessGroup | None" = None, *, every_steps: int = 1, adaptive: bool = False) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, every_steps: int = 1, adaptive: bool = False) -> None:
         if isinstance(every_steps, bool) or not isinstance(every_steps, int):
             raise TypeError(f"every_steps: expected an int >= 1, got {every_steps!r} ({type(every_steps).__name__})")
         if every_steps < 1:
@@ -134,7 +134,7 @@ class StopAgreement:
         return self._group is not None
 
     @property
-    def group(self) -> "dist.ProcessGroup | None":
+    def group(self) -> dist.ProcessGroup | None:
         """The gloo group used (``None`` in local mode)."""
         return self._group
 
@@ -246,7 +246,7 @@ class StopAgreement:
         if self._closed:
             raise RuntimeError("StopAgreement is closed")
 
-    def __enter__(self) -> "StopAgreement":
+    def __enter__(self) -> StopAgreement:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:

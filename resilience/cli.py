@@ -52,11 +52,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="start N local ranks (torchrun-like), forward USR1/USR2/TERM/INT to them and "
         "exit with their combined code",
     )
-    _add(subparsers, "consolidate", consolidate_cli.add_arguments, consolidate_cli.run, help="write model/consolidated/ (a Hugging Face bundle) from a checkpoint's sharded safetensors; what model/consolidate.sh runs")
-    _add(subparsers, "template", templates.add_arguments, templates.run, help="print a Slurm batch script rendered from a training YAML (resilience template slurm CONFIG.yaml)", intermixed=True)
-    _add(subparsers, "status", status_cli.add_status_arguments, status_cli.run_status, help="a table of the checkpoints under CHECKPOINT_DIR (complete, incomplete, corrupt, marked bad; pointers; metric) and which one a resume would pick and why; never writes")
-    _add(subparsers, "verify", verify_cli.add_verify_arguments, verify_cli.run_verify, help="check every file's size and digest against the manifest of a checkpoint, or of every checkpoint under a root; exit 1 on any failure")
-    _add(subparsers, "advise", advise_cli.add_advise_arguments, advise_cli.run_advise, help="recommend #SBATCH --signal=B:USR1@N from the step and save times recorded in the checkpoints' manifests")
+    _add(
+        subparsers, "consolidate", consolidate_cli.add_arguments, consolidate_cli.run,
+        help="write model/consolidated/ (a Hugging Face bundle) from a checkpoint's sharded safetensors; what model/consolidate.sh runs",
+    )
+    _add(
+        subparsers, "template", templates.add_arguments, templates.run,
+        help="print a Slurm batch script rendered from a training YAML (resilience template slurm CONFIG.yaml)", intermixed=True,
+    )
+    _add(
+        subparsers, "status", status_cli.add_status_arguments, status_cli.run_status,
+        help="a table of the checkpoints under CHECKPOINT_DIR (complete, incomplete, corrupt, marked bad; pointers; metric) "
+        "and which one a resume would pick and why; never writes",
+    )
+    _add(
+        subparsers, "verify", verify_cli.add_verify_arguments, verify_cli.run_verify,
+        help="check every file's size and digest against the manifest of a checkpoint, or of every checkpoint under a root; exit 1 on any failure",
+    )
+    _add(
+        subparsers, "advise", advise_cli.add_advise_arguments, advise_cli.run_advise,
+        help="recommend #SBATCH --signal=B:USR1@N from the step and save times recorded in the checkpoints' manifests",
+    )
     return parser
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from resilience.local_paths import NotALocalPath, local_path
 

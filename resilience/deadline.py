@@ -12,9 +12,9 @@ import os
 import time
 from typing import Any
 
+from resilience import timing
 from resilience.config import ResilienceConfig
 from resilience.slurm import SlurmJob
-from resilience import timing
 
 log = logging.getLogger("resilience")
 

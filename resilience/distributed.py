@@ -12,7 +12,6 @@ import dataclasses
 import datetime
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 
@@ -27,7 +26,7 @@ class DistContext:
     """True when :meth:`from_env` created ``group`` (then :meth:`close` destroys it)."""
 
     @classmethod
-    def from_env(cls, *, timeout_s: float | None = None) -> "DistContext":
+    def from_env(cls, *, timeout_s: float | None = None) -> DistContext:
         """Describe the current process. When torch.distributed is initialised this creates a new
         gloo group, which is a collective: every rank must call it, in the same order.
         ``timeout_s`` bounds each collective on it (default: torch's, 30 minutes)."""
@@ -52,17 +51,6 @@ class DistContext:
     def distributed(self) -> bool:
         """True when there is more than one rank."""
         return self.group is not None and self.world_size > 1
-
-    def all_ok(self, ok: bool) -> bool:
-        """True on every rank iff ``ok`` is true on every rank (one blocking MIN all-reduce).
-
-        This is how a failure seen by one rank (say rank 0's rename) reaches all of them within
-        one collective, so no rank waits forever for a peer that already gave up."""
-        if not self.distributed:
-            return bool(ok)
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, indexed by rank (small, picklable objects only; save path only)."""

@@ -10,8 +10,8 @@ mark, so the stop reaches every rank exactly as if the signal had arrived.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 READY_DIR_ENV = "RESILIENCE_READY_DIR"
 """Directory where each rank creates ``rank_<RANK>`` once its signal handlers are installed."""

@@ -22,11 +22,13 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from resilience import progress_guard
 from resilience.agreement import StopAgreement
 from resilience.checkpoint import Checkpointer, TrainingState
 from resilience.checkpoint.best import VALIDATION_LOG, append_jsonl
@@ -34,16 +36,15 @@ from resilience.config import ResilienceConfig, config_from_dict
 from resilience.deadline import Deadline
 from resilience.distributed import DistContext
 from resilience.exit_codes import ExitCode
-from resilience.signals import SignalRecorder
-from resilience.teardown import release_at_exit
 from resilience.handshake import mark_ready_and_check_stop
+from resilience.signals import SignalRecorder
 from resilience.slurm import run_id_from_env, signal_reach_warning
+from resilience.state.accumulation import micro_batches
 from resilience.state.batch_size import BatchSizeChangeRefused, continue_with_batch_size, global_batch_size
 from resilience.state.data_position import epoch_iterator, loader_length, set_epoch
-from resilience.state.accumulation import micro_batches
 from resilience.state.step_scheduler import StepScheduler
 from resilience.state.worker_signals import shield_dataloader_workers
-from resilience import progress_guard
+from resilience.teardown import release_at_exit
 from resilience.timing import RunTimer, auto_cadence
 
 log = logging.getLogger("resilience")
@@ -112,7 +113,7 @@ class ResilientLoop:
         self._generator = self._run()
         return self._generator
 
-    def __enter__(self) -> "ResilientLoop":
+    def __enter__(self) -> ResilientLoop:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -167,12 +168,12 @@ class ResilientLoop:
     def _run(self) -> Iterator[Step]:
         sched_cfg = self.config.step_scheduler
         scheduler = self.scheduler
-        loader = self.state.dataloader
         warning = signal_reach_warning()
         if warning and self.ctx.rank == 0 and sched_cfg.signals:
             log.warning(warning)
         try:
-            with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=1 if self._auto_cadence else sched_cfg.agreement_every_steps, adaptive=self._auto_cadence) as agreement:
+            every_steps = 1 if self._auto_cadence else sched_cfg.agreement_every_steps
+            with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=every_steps, adaptive=self._auto_cadence) as agreement:
                 # A stop the launcher or batch script recorded before this rank could receive it.
                 stop_before_start = mark_ready_and_check_stop(acts_on_stop=bool(sched_cfg.signals)) and bool(sched_cfg.signals)
                 self._pending = lambda: STOP_PREEMPTION if (signals or stop_before_start) else 0
@@ -414,6 +415,8 @@ def resilient_loop(
     """
     if not isinstance(config, ResilienceConfig):
         config = config_from_dict(config)
-    state = TrainingState(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, extra=dict(extra_state or {}), tokenizer=tokenizer)
+    state = TrainingState(
+        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, extra=dict(extra_state or {}), tokenizer=tokenizer
+    )
     release_at_exit(model)  # DDP's reducer, then the default group, freed at exit in the safe order
     return ResilientLoop(config, state)

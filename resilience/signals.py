@@ -14,7 +14,8 @@ import re
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 DEFAULT_PREEMPTION_SIGNAL = "SIGTERM"
 
@@ -200,7 +201,7 @@ class SignalRecorder:
     def __bool__(self) -> bool:
         return bool(self._received)
 
-    def __enter__(self) -> "SignalRecorder":
+    def __enter__(self) -> SignalRecorder:
         if self._active:
             raise RuntimeError("SignalRecorder is already active; use a new recorder per scope")
         self._received.clear()

@@ -11,7 +11,7 @@ import datetime as _dt
 import os
 import re
 import subprocess
-from typing import Mapping
+from collections.abc import Mapping
 
 # Environment contract with templates/slurm*.sub (set by the batch script, read by the ranks).
 TEMPLATE_ENV = "RESILIENCE_TEMPLATE"  # "1" when launched by one of our batch templates
@@ -34,7 +34,7 @@ class SlurmJob:
     procid: int | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "SlurmJob | None":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SlurmJob | None:
         """The job described by ``env`` (default ``os.environ``), or ``None`` outside Slurm."""
         env = os.environ if env is None else env
         job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")

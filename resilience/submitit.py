@@ -68,7 +68,8 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import submitit
 from submitit.core.job_environment import JobEnvironment, SignalHandler
@@ -157,6 +158,7 @@ class ResilientTask(submitit.helpers.Checkpointable):
         return f"ResilientTask({getattr(fn, '__qualname__', type(fn).__name__)}, attempt={self.attempt})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` in this job attempt; the class docstring says what each exit code does."""
         sig = JobEnvironment._usr_sig()
         handler = _submitit_handler(sig)
         if handler is None:  # not in a submitit job process: nothing can requeue
@@ -242,7 +244,7 @@ class _Gate:
         self._submitit = submitit_handler
         self._previous: Any = None
 
-    def __enter__(self) -> "_Gate":
+    def __enter__(self) -> _Gate:
         self._previous = signal.signal(self.sig, self._handle)
         return self
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 # DDP's attributes holding the C++ Reducer (the logger holds it too) and the group (torch 1.x-2.13);
 # nothing else refers to the reducer, so dropping them frees it at once (no cycle to collect).
 _DDP_NATIVE = ("reducer", "logger", "process_group")
-_models: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_models: weakref.WeakSet[Any] = weakref.WeakSet()
 _registered = False
 
 

@@ -42,9 +42,9 @@ import functools
 import re
 import shlex
 import sys
-from pathlib import Path
 from collections.abc import Sequence
 from importlib import resources
+from pathlib import Path
 
 from resilience.config import ConfigError, ResilienceConfig, load_config
 from resilience.exit_codes import ExitCode
@@ -61,7 +61,7 @@ CONFIG_PLACEHOLDER = "{config}"
 _FIELD = re.compile(r"@([A-Z_]+)@")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source(name: str) -> str:
     """A template source from the package (immutable package data, read once)."""
     return resources.files("resilience").joinpath("slurm_templates", name).read_text()

@@ -8,7 +8,7 @@ times a safety factor. Pure functions and a clock you can replace, so it is test
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class RunTimer:

@@ -11,11 +11,13 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, within
 from resilience.exit_codes import ExitCode
+
 
 def _targets(path: Path) -> tuple[list[Path], list[str]]:
     """(checkpoint directories to verify, names of unpublished leftovers skipped)."""

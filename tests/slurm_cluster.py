@@ -15,8 +15,8 @@ import re
 import shlex
 import subprocess
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import pytest
 

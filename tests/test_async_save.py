@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import CONFIG, compare, latest_name, run
 
 from resilience import ExitCode
 from resilience.checkpoint import Checkpointer, TrainingState, writer
@@ -18,6 +17,7 @@ from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.launch import launch
 from resilience.state.step_scheduler import StepScheduler
+from runs import CONFIG, compare, latest_name, run
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 SHORT = ["step_scheduler.num_epochs=3", "step_scheduler.ckpt_every_steps=20"]

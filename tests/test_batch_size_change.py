@@ -9,12 +9,12 @@ loader's batch size x world size since ``step_scheduler.global_batch_size`` is n
 from __future__ import annotations
 
 import pytest
-from sample_runs import run, steps
 
 from resilience import ExitCode
 from resilience.checkpoint.layout import LATEST
 from resilience.checkpoint.manifest import validate
 from resilience.checkpoint.pointers import read_pointer
+from sample_runs import run, steps
 
 EPOCH = list(range(48))
 
@@ -101,7 +101,9 @@ def test_a_stateful_loader_whose_order_cannot_be_replayed_refuses_a_batch_change
     step_state = {"epoch": 1, "batches_in_epoch": 3, "global_step": 15}
     position = {"batches_in_epoch": 3, "loader": {"batches": 3}}
     with pytest.raises(BatchSizeChangeRefused, match="step_scheduler.global_batch_size changed from 4 .* to 6.*set_epoch"):
-        continue_with_batch_size(step_state, position, {"global_batch_size": 4}, 6, loader=BatchCountingLoader(), checkpoint="epoch_1_step_15", configured=False)
+        continue_with_batch_size(
+            step_state, position, {"global_batch_size": 4}, 6, loader=BatchCountingLoader(), checkpoint="epoch_1_step_15", configured=False
+        )
     # the same global batch: resumed by its own state, as saved
     assert continue_with_batch_size(step_state, position, {"global_batch_size": 6}, 6, loader=BatchCountingLoader(),
                                     checkpoint="epoch_1_step_15", configured=False) == (step_state, position)

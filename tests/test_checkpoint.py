@@ -19,8 +19,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resilience.checkpoint import (
     CheckpointCorrupted,
-    CheckpointInvalid,
     Checkpointer,
+    CheckpointInvalid,
     CheckpointNotFound,
     CheckpointSaveError,
     TrainingState,

@@ -241,7 +241,8 @@ def test_two_ranks_each_write_a_part_and_one_process_reassembles_the_model(tmp_p
     root = tmp_path / "safetensors"
     expected = load_file(str(root / "expected.safetensors"))
     model_dir = root / LATEST / "model"
-    assert {"shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors", "consolidate.sh", "consolidated"} <= {p.name for p in model_dir.iterdir()}
+    shards = {"shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"}
+    assert shards | {"consolidate.sh", "consolidated"} <= {p.name for p in model_dir.iterdir()}
     parts = [load_file(str(model_dir / f"shard-0000{k}-model-00001-of-00001.safetensors")) for k in (1, 2)]
     assert parts[0] and parts[1] and not set(parts[0]) & set(parts[1])
     assert set(parts[0]) | set(parts[1]) == set(expected)

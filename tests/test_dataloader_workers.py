@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import compare, latest_name
 
 from resilience import ExitCode
 from resilience.checkpoint.manifest import validate
 from resilience.state.worker_signals import ShieldedWorkerInit, shield_dataloader_workers
+from runs import compare, latest_name
 from slurm_cluster import pid_alive
 
 pytestmark = pytest.mark.multiproc

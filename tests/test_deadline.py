@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import final_weights
 
-from resilience import ExitCode, resilient_loop
-from resilience import progress_guard
+from resilience import ExitCode, progress_guard, resilient_loop
 from resilience.checkpoint.manifest import validate
 from resilience.launch import launch
 from resilience.timing import RunTimer, lead_time_warning, must_stop
+from runs import final_weights
 
 TINY = Path(__file__).resolve().parent / "helpers" / "tiny_train.py"
 

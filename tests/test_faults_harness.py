@@ -32,7 +32,8 @@ def test_three_random_kills_leave_no_torn_checkpoint_and_every_resume_is_exact(t
     assert counts["trials"] == "3" and counts["result"] == "PASS"
     assert counts["torn checkpoints"] == "0"
     assert counts["resumed exact"] == "3" and counts["resumed not exact"] == "0" and counts["resume failed"] == "0"
-    landed = sum(_leading_int(counts[k]) for k in ("killed before first save", "killed during a save", "killed between saves", "killed after training", "finished before the kill"))
+    outcomes = ("killed before first save", "killed during a save", "killed between saves", "killed after training", "finished before the kill")
+    landed = sum(_leading_int(counts[k]) for k in outcomes)
     assert landed == 3, counts
     assert counts["modes"] == "sync 2, async 1"
     assert "reference (sync)" in proc.stderr and "two runs bitwise equal" in proc.stderr

@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import compare
 
 from resilience import ExitCode
 from resilience.checkpoint.manifest import validate
 from resilience.launch import launch
+from runs import compare
 
 pytestmark = pytest.mark.multiproc
 HELPER = Path(__file__).resolve().parent / "helpers" / "phase_train.py"
@@ -84,7 +84,7 @@ class TwoNodeRun:
         self._stack.close()
         return [group.procs[0].returncode for group in self.groups]
 
-    def __enter__(self) -> "TwoNodeRun":
+    def __enter__(self) -> TwoNodeRun:
         return self
 
     def __exit__(self, *exc) -> None:

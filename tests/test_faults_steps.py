@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import compare
 
 from resilience import ExitCode
 from resilience.checkpoint.manifest import validate
 from resilience.config import load_config
 from resilience.launch import launch
+from runs import compare
 
 HELPER = Path(__file__).resolve().parent / "helpers" / "phase_train.py"  # 20 steps, a save every 4
 EXIT_BOUND_S = 20.0  # the last rank exits at most this long after the first (no rank hangs)

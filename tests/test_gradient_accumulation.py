@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-from runs import compare, latest_name, run
 
 from resilience import ExitCode, resilient_loop
 from resilience.checkpoint.manifest import validate
+from runs import compare, latest_name, run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata's set_vital deprecation
 

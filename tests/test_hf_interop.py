@@ -99,7 +99,9 @@ def test_tiny_causal_lm_trained_under_resilient_loop_loads_with_from_pretrained_
     final = root / LATEST
     consolidated = final / "model" / "consolidated"
     names = {p.name for p in consolidated.iterdir()}
-    assert {"config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert {
+        "config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"
+    } <= names
     index = json.loads((consolidated / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(model.state_dict()) and index["metadata"]["total_size"] > 0
     validate(final.resolve())  # the bundle is in the manifest: sizes and checksums hold

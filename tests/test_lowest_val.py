@@ -88,7 +88,7 @@ def test_lowest_val_survives_a_resume_and_redone_rows_are_dropped(tmp_path):
     with pytest.raises(Crash):  # checkpoints 2 and 4; step 5 validates, then the process dies
         run(root, 8, {2: 0.2, 4: 0.6, 5: 0.05}, every=2, crash_at=5)
     assert lowest(root) == "epoch_0_step_2"
-    assert [json.loads(l)["global_step"] for l in (root / VALIDATION_LOG).read_text().splitlines()] == [2, 4, 5]
+    assert [json.loads(line)["global_step"] for line in (root / VALIDATION_LOG).read_text().splitlines()] == [2, 4, 5]
 
     loop = run(root, 7, {5: 0.3, 6: 0.25}, every=1)  # resumes at 4
     assert loop.resumed_from == root / "epoch_0_step_4"
@@ -133,7 +133,7 @@ def test_losses_json_holds_train_and_val_loss_and_the_rows_since_the_previous_ch
     root = tmp_path / "ck"
     run(root, 4, {4: 0.75}, every=2)
     doc = json.loads((root / "epoch_0_step_4" / "losses.json").read_text())
-    rows = [json.loads(l) for l in (root / "training.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (root / "training.jsonl").read_text().splitlines()]
     assert doc["global_step"] == 4
     assert doc["train_loss"] == rows[3]["loss"]
     assert doc["val_loss"] == 0.75

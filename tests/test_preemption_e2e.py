@@ -6,11 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from runs import CONFIG, compare, latest_name, run
 
 from resilience import ExitCode
 from resilience.checkpoint.manifest import validate
 from resilience.launch import launch
+from runs import CONFIG, compare, latest_name, run
 
 pytestmark = pytest.mark.multiproc
 SHORT = ["step_scheduler.num_epochs=3", "step_scheduler.ckpt_every_steps=20"]  # 22 steps per epoch, 66 in all

@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import compare
 
 from resilience import cli
-from test_dataloader_workers import _run_to_end, _env, TOTAL_STEPS
+from runs import compare
+from test_dataloader_workers import TOTAL_STEPS, _env, _run_to_end
 
 pytestmark = pytest.mark.slurm
 HELPER = Path(__file__).resolve().parent / "helpers" / "worker_train.py"

@@ -32,14 +32,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
+import runs  # examples/digits/runs.py (conftest puts it on sys.path)
 from resilience import cli
 from slurm_cluster import SlurmCluster, pid_alive
-import runs  # examples/digits/runs.py (conftest puts it on sys.path)
 
 pytestmark = pytest.mark.slurm
 
@@ -203,7 +203,7 @@ def assert_exact(job: Job, reference: Path) -> None:
 # Scenarios: each runs in its own thread and returns its Job (or raises)
 
 
-def _reference(c: "Campaign", name: str, epochs: int) -> Path:
+def _reference(c: Campaign, name: str, epochs: int) -> Path:
     """An uninterrupted local 2-rank run (examples/digits/runs.py), at low CPU priority."""
     ref = c.root / name
     code = (
@@ -219,7 +219,7 @@ def _reference(c: "Campaign", name: str, epochs: int) -> Path:
     return ref
 
 
-def scenario_ref_short(c: "Campaign") -> Path:
+def scenario_ref_short(c: Campaign) -> Path:
     return _reference(c, "ref_short", E_SHORT)
 
 
@@ -228,7 +228,7 @@ def _start_epoch(info: dict) -> float:
     return time.mktime(time.strptime(info["StartTime"], "%Y-%m-%dT%H:%M:%S"))
 
 
-def scenario_check_probe(c: "Campaign") -> float:
+def scenario_check_probe(c: Campaign) -> float:
     """``time.monotonic()`` of one of Slurm's warning checks: a job with --time=1
     --signal=B:USR1@50 gets its signal at the first check after it starts."""
     d = c.root / "check-probe"
@@ -259,7 +259,7 @@ def _signal_ranks(job: Job, sig: int) -> None:
                     pass
 
 
-def scenario_timelimit(c: "Campaign") -> Job:
+def scenario_timelimit(c: Campaign) -> Job:
     """Slurm's own time-limit warning, arriving while the ranks train.
 
     A warning is due once end - now <= N + 30 s (N = signal_lead_s) and is sent at the next of
@@ -300,7 +300,7 @@ def scenario_timelimit(c: "Campaign") -> Job:
     return job
 
 
-def scenario_scancel(c: "Campaign") -> Job:
+def scenario_scancel(c: Campaign) -> Job:
     job = c.submit1("scancel", f"step_scheduler.num_epochs={E_SHORT}")
     job.wait_log(r"^resilience: trap installed", 60)
     job.signalled_at_step = job.wait_steps(FIRST_SIGNAL_STEPS, 90)
@@ -309,7 +309,7 @@ def scenario_scancel(c: "Campaign") -> Job:
     return job
 
 
-def scenario_array(c: "Campaign") -> Job:
+def scenario_array(c: Campaign) -> Job:
     """Two array tasks of one rank each, each in its own directory (slurm.setup cds there);
     only task 1 is signalled."""
     job = c.submit1(
@@ -335,7 +335,7 @@ def scenario_array(c: "Campaign") -> Job:
     return job
 
 
-def scenario_limit(c: "Campaign") -> Job:
+def scenario_limit(c: Campaign) -> Job:
     """max_restarts=1: the first stop requeues, the second ends the job with 77."""
     job = c.submit1("limit", f"step_scheduler.num_epochs={E_SHORT}", "slurm.max_restarts=1")
     job.wait_log(r"^resilience: trap installed", 60)
@@ -357,7 +357,7 @@ def _next_job_id(cluster: SlurmCluster) -> int:
     return int(re.search(r"^NEXT_JOB_ID\s*=\s*(\d+)", out, re.M).group(1))
 
 
-def scenario_id_gap(c: "Campaign") -> None:
+def scenario_id_gap(c: Campaign) -> None:
     """Move the two-node cluster's job ids 100 past the one-node cluster's (see the docstring)."""
     if c.cluster1 is None:
         return
@@ -368,7 +368,7 @@ def scenario_id_gap(c: "Campaign") -> None:
 
 
 # The two-node jobs run in partition high, which nothing preempts (see scenario_preempt).
-def scenario_mn_scancel(c: "Campaign") -> Job:
+def scenario_mn_scancel(c: Campaign) -> Job:
     job = c.submit2(
         "mn_scancel", f"step_scheduler.num_epochs={E_SHORT}", "slurm.nodes=2", "slurm.nproc_per_node=1", "slurm.partition=high"
     )
@@ -379,7 +379,7 @@ def scenario_mn_scancel(c: "Campaign") -> Job:
     return job
 
 
-def scenario_mn_prelaunch(c: "Campaign") -> Job:
+def scenario_mn_prelaunch(c: Campaign) -> Job:
     job = c.submit2(
         "mn_prelaunch",
         f"step_scheduler.num_epochs={E_SHORT}",
@@ -394,7 +394,7 @@ def scenario_mn_prelaunch(c: "Campaign") -> Job:
     return job
 
 
-def scenario_preempt(c: "Campaign") -> Job:
+def scenario_preempt(c: Campaign) -> Job:
     """Ours in partition debug on node n1, holding 6 of its 8 CPUs; then a job in partition high
     (higher PriorityTier) asking for 4 CPUs there. The two-node jobs running meanwhile hold at
     most 2 CPUs of n1 and, being in partition high themselves, cannot be preempted: the new
@@ -417,7 +417,7 @@ def scenario_preempt(c: "Campaign") -> Job:
     return job
 
 
-SCENARIOS: dict[str, Callable[["Campaign"], object]] = {  # started in this order
+SCENARIOS: dict[str, Callable[[Campaign], object]] = {  # started in this order
     "id_gap": scenario_id_gap,
     "check_probe": scenario_check_probe,
     "ref_short": scenario_ref_short,

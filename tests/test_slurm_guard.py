@@ -3,9 +3,9 @@ it can save anything new ends with NO_PROGRESS (76) instead of requeueing foreve
 (checkpoint.max_preemptions_without_progress: clean preemptions are bounded apart from failed starts)."""
 
 import pytest
-from test_slurm_e2e import attempts, submit
 
 from resilience import ExitCode
+from test_slurm_e2e import attempts, submit
 
 pytestmark = pytest.mark.slurm
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import submitit
 
+import submitit_launch
 from resilience import ExitCode
 from resilience.submitit import ResilientTask, TaskExitError, exit_code_of, submitit_preemption_signal
-from runs import CONFIG, TRAIN, compare, _rows
+from runs import CONFIG, TRAIN, _rows, compare
 from slurm_cluster import pid_alive, slurm_cluster  # noqa: F401  (session fixture, used by name)
-import submitit_launch
 
 TESTS_DIR = Path(__file__).resolve().parent
 STEPS_PER_EPOCH = 22  # digits: 1437 training rows, global batch 64, drop_last

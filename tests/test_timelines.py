@@ -14,12 +14,12 @@ import os
 
 import pytest
 import torch
-from sample_runs import run, steps
 
 from resilience import ExitCode, resilient_loop
 from resilience.checkpoint.layout import LATEST
 from resilience.checkpoint.manifest import validate
 from resilience.checkpoint.pointers import write_pointer
+from sample_runs import run, steps
 
 EPOCHS = "step_scheduler.num_epochs=3"
 EVERY_10 = "step_scheduler.ckpt_every_steps=10"

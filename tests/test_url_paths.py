@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from test_bad_input import attempt  # the tiny training run under a config
-
 from resilience import cli
 from resilience.config import ConfigError, config_from_dict, load_config
+from test_bad_input import attempt  # the tiny training run under a config
 
 URLS = ["s3://bucket/x", "gs://bucket/x", "hdfs://namenode/x", "az://container/x"]
 KEYS = [

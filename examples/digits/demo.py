@@ -14,9 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runs import compare, latest_name, run  # noqa: E402
-
 from resilience import ExitCode  # noqa: E402
+from runs import compare, latest_name, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2] / "runs" / "demo"
 
@@ -29,7 +28,10 @@ def main() -> int:
     print("1. 2-rank run; SIGUSR1 goes to rank 1 only, mid-epoch", flush=True)
     first = run(preempted, 2, signal_rank=1, signal_at_step=30, sig=signal.SIGUSR1)
     saved = latest_name(preempted)
-    print(f"   signal sent once rank 0 had logged step {first.signalled_at_step} (its log trails the ranks by a step or two); exit codes per rank: {first.codes}; saved: {saved}")
+    print(
+        f"   signal sent once rank 0 had logged step {first.signalled_at_step} (its log trails the ranks by a step or two); "
+        f"exit codes per rank: {first.codes}; saved: {saved}"
+    )
     if first.codes != [ExitCode.PREEMPTED] * 2:
         print(f"   FAIL: expected both ranks to exit {int(ExitCode.PREEMPTED)} (PREEMPTED)")
         ok = False

@@ -15,8 +15,8 @@ import argparse
 import os
 import shlex
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import submitit
 

@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
-
 from resilience import ConfigError, ExitCode, load_config, resilient_loop
+
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
 
 
 def build_data(seed: int, test_fraction: float) -> tuple[TensorDataset, TensorDataset]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from resilience.checkpoint.layout import list_checkpoints
 from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest

@@ -36,8 +36,9 @@ import logging
 import multiprocessing
 import os
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from safetensors import safe_open

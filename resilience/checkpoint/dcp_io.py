@@ -14,8 +14,9 @@ import os
 import pickle
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp

@@ -16,8 +16,9 @@ import dataclasses
 import hashlib
 import io
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import xxhash
 

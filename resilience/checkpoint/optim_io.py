@@ -106,5 +106,5 @@ def lr_scheduler_json(scheduler: Any) -> str:
 
 
 def load_lr_scheduler(directory: Path, scheduler: Any) -> None:
-    """Restore an LR scheduler from :func:`save_lr_scheduler`'s JSON."""
+    """Restore an LR scheduler from the JSON :func:`lr_scheduler_json` captured (saved as ``LR_SCHEDULER``)."""
     scheduler.load_state_dict(json.loads((directory / LR_SCHEDULER).read_text()))

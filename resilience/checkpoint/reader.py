@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
-from resilience.checkpoint.layout import BAD_MARKER, LATEST, list_checkpoints, parse_checkpoint_name
 from resilience.checkpoint.durable import entry_digest, file_digest
+from resilience.checkpoint.layout import BAD_MARKER, LATEST, list_checkpoints, parse_checkpoint_name
 from resilience.checkpoint.lineage import lineage, meta_of
 from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest, validate
 from resilience.checkpoint.pointers import PointerError, read_pointer
@@ -110,7 +111,9 @@ def _saved_at(directory: Path) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
-def find_resume_checkpoint(ctx: DistContext, root: Path, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True) -> Path | None:
+def find_resume_checkpoint(
+    ctx: DistContext, root: Path, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True
+) -> Path | None:
     """The checkpoint every rank should resume from, or ``None`` for a fresh start (collective).
 
     ``checksums=False`` checks sizes only (one ``stat`` per file): for a caller that loads the

@@ -2,15 +2,15 @@
 from save to save.
 
 A snapshot must be a copy (training mutates parameters in place right after ``save`` returns),
-and a *fresh* allocation of GiBs costs several times the copy itself on a VM (page faults;
-see ``shared/notes/perf-baseline.md``: ~0.08 s per GiB into reused memory vs 0.2-0.4 s fresh).
+and a *fresh* allocation of GiBs costs several times the copy itself on a VM (page faults:
+~0.08 s per GiB into reused memory vs 0.2-0.4 s fresh; ``python -m bench`` measures the async save).
 So each tensor gets a buffer of the same shape and dtype that is allocated once and refilled
 by every later save; pinned when CUDA is present so device-to-host copies run asynchronously.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 

@@ -21,8 +21,9 @@ import os
 import shutil
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from resilience.checkpoint.best import LOWEST_VAL
 from resilience.checkpoint.durable import FileRecord, fsync_dir, fsync_file, record

@@ -9,7 +9,7 @@ from typing import Any
 from resilience.config.checks import ConfigError, check_bool, check_int, check_local_path
 
 
-def _check_retention_and_mindspore_keys(cfg: "CheckpointConfig") -> None:
+def _check_retention_and_mindspore_keys(cfg: CheckpointConfig) -> None:
     """Validate the retention, LOWEST_VAL and MindSpore Transformers keys of ``checkpoint``."""
     for key in ("is_async", "enable_save", "no_save_optim", "no_load_optim", "load_balanced"):
         check_bool(f"checkpoint.{key}", getattr(cfg, key))

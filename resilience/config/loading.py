@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 

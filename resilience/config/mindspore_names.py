@@ -16,7 +16,8 @@ Sources: MindSpore Transformers "Weight Saving and Loading" and "Resumable Train
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from resilience.config.checks import ConfigError, check_local_path
 

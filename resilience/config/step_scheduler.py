@@ -28,7 +28,7 @@ class StepSchedulerConfig:
     preemption_signal: Any = DEFAULT_PREEMPTION_SIGNAL
     """Signal(s) that request a stop-and-save: a name, a number, a list, or null (default SIGTERM)."""
     agreement_every_steps: int | str = "auto"
-    """Cadence, in steps, of the non-blocking cross-rank stop agreement (default 1), or ``auto``.
+    """Cadence, in steps, of the non-blocking cross-rank stop agreement: an int >= 1, or ``auto`` (the default).
     A signal stops every rank within 2 x this many steps; larger values make the per-step cost
     (about one small gloo all-reduce, ~0.2-0.3 ms) smaller. ``auto`` starts at 1 and follows
     rank 0's measured step time so that a round runs about every ``agreement_interval_s``:

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
-from resilience.handshake import ready_marker, request_stop, stop_taken_marker
 from resilience.exit_codes import ExitCode
+from resilience.handshake import ready_marker, request_stop, stop_taken_marker
 from resilience.launch.exit_status import combine_exit_codes, describe_code
 
 #: Seconds between two looks at the ranks while waiting (also the signal-forwarding latency

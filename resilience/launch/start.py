@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 
 from resilience.handshake import READY_DIR_ENV, STOP_FILE_ENV
 from resilience.launch.ports import resolve_master_port
-from resilience.launch.ready_dirs import make_ready_dir
 from resilience.launch.rank_group import Log, RankGroup
+from resilience.launch.ready_dirs import make_ready_dir
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

@@ -12,7 +12,8 @@ batch is the optimizer step, as in Lightning's ``accumulate_grad_batches``).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 _END = object()
 

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
 _TENSOR = "__tensor__"
 # loader -> the torch RNG state just before its current epoch's iterator was created
-_EPOCH_RNG: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
+_EPOCH_RNG: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 def _encode(obj: Any) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file, safe_open
+from safetensors.torch import load_file, safe_open, save_file
 
 
 def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -34,7 +34,8 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 log = logging.getLogger("resilience")
 
@@ -82,6 +83,7 @@ class ShieldedWorkerInit:
         self.user_fn = user_fn
 
     def __call__(self, worker_id: int) -> None:
+        """In DataLoader worker ``worker_id``: shield it from the signals, then run the user's init."""
         shield_worker(self.signals)
         if self.user_fn is not None:
             self.user_fn(worker_id)

@@ -9,8 +9,8 @@ line per step to ``RECORD_FILE.rank<R>``: ``{"step", "ids", "loss", "lr_step", "
 (``StatefulDataLoader`` with a shuffling ``DistributedSampler``) or ``stateful_shuffle``
 (``StatefulDataLoader(shuffle=True)``: its order drawn from the global RNG); ``BATCH``: the per-rank batch
 size (default 4). With ``step_scheduler.gradient_accumulation_steps`` the optimizer steps on
-``step.is_optimizer_step`` and the row of a step lists the ids of all its micro-batches. A model under DDP on more ranks, SGD, an exponential LR schedule. Exits with
-``loop.exit_code`` (2 for a configuration error).
+``step.is_optimizer_step`` and the row of a step lists the ids of all its micro-batches. A model under DDP
+on more ranks, SGD, an exponential LR schedule. Exits with ``loop.exit_code`` (2 for a configuration error).
 """
 
 import gc

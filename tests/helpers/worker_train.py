@@ -30,7 +30,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from resilience import load_config, resilient_loop
 
-
 KEEP = []
 
 
