@@ -60,7 +60,9 @@ def test_after_rolling_latest_back_the_new_timeline_keeps_its_checkpoints_and_a_
     err = capfd.readouterr().err
     kept = names(ckpt)
     aside = [name for name in kept if name.startswith("epoch_1_step_20.abandoned-")]
-    assert kept == ["epoch_1_step_20", *aside, "epoch_2_step_25"] and len(aside) == 1, kept
+    # step 10 left the window of 2 of the new lineage; the abandoned timeline's 30 is neither counted nor removed
+    assert kept == ["epoch_1_step_20", *aside, "epoch_2_step_25", "epoch_2_step_30"] and len(aside) == 1, kept
+    assert validate(ckpt / "epoch_2_step_30")["meta"]["checkpoint_id"] == abandoned["epoch_2_step_30"]
     assert f"moved it aside to {aside[0]}" in err  # the replaced checkpoint is named
     assert validate(ckpt / aside[0])["meta"]["checkpoint_id"] == abandoned["epoch_1_step_20"]  # kept aside, intact
     new_20 = validate(ckpt / "epoch_1_step_20")["meta"]

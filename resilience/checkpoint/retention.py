@@ -3,9 +3,10 @@
 Semantics follow NeMo AutoModel's ``checkpoint.max_recent_checkpoints``:
 
 * the window is the newest ``keep`` checkpoint directories, ordered by global step (then epoch),
-  the lineage of the checkpoint just published first (:mod:`resilience.checkpoint.lineage`): after
-  a rollback, an abandoned timeline's higher steps never push out the newest checkpoints of the
-  timeline being trained (they fill the window only while that lineage has fewer than ``keep``);
+  the lineage of the checkpoint just published first (:mod:`resilience.checkpoint.lineage`);
+  after a rollback, the abandoned timeline's checkpoints at higher steps than the one just
+  published are neither counted nor removed (the user deletes them; the run sets each aside when
+  it reaches its step), so they never push out the newest checkpoints of the timeline being trained;
 * the targets of ``LATEST``, ``LOWEST_VAL``, any other top-level symlink and any top-level
   ``.txt`` pointer file are kept in addition (a link into a checkpoint, e.g. to its
   ``model/consolidated``, protects that checkpoint);
@@ -94,8 +95,16 @@ def plan_prune(root: Path, keep: int, *, run_id: str | None = None, current: Pat
     if run_id is not None:
         checkpoints = [path for path in checkpoints if _run_id(path) == run_id]
     if current is not None:
+        # Lineage first. A checkpoint past the current step that is no ancestor of the current one
+        # is the abandoned timeline a rollback left behind: never counted or removed (like the ones
+        # set aside as <name>.abandoned-*). Lower non-ancestors (older runs, chains cut by pruning)
+        # fill the rest of the window as before.
         mine = {path.name for path in lineage(root, current)}
-        checkpoints = [p for p in checkpoints if p.name in mine] + [p for p in checkpoints if p.name not in mine]
+        parsed = parse_checkpoint_name(current.name)
+        step = parsed[1] if parsed else float("inf")
+        checkpoints = [p for p in checkpoints if p.name in mine] + [
+            p for p in checkpoints if p.name not in mine and parse_checkpoint_name(p.name)[1] <= step
+        ]
     targets = protected_targets(root)
     victims = [path for path in checkpoints[keep:] if not _is_protected(path, targets)]
     return sorted(victims, key=lambda p: parse_checkpoint_name(p.name)[::-1])
