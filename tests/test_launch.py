@@ -351,6 +351,24 @@ def test_usr1_before_the_ranks_installed_handlers_is_held_not_fatal(tmp_path, cl
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(30)
+def test_a_stop_signal_to_the_whole_group_before_the_ranks_are_ready_exits_75_not_143(tmp_path, cli):
+    """Slurm (and ``kill -- -PGID``) signals every process of the step: ranks still importing torch die
+    of it before their handlers exist. Nothing was trained since LATEST: a stop before the first step
+    (75, requeue), not a failure (143, which the templates never requeue)."""
+    worker = write_worker(tmp_path, USR1_WORKER)
+    pid_file = tmp_path / "pids"
+    launcher = cli("--nproc-per-node", "2", worker, str(tmp_path), "exit75",
+                   env={"RESILIENCE_PID_FILE": str(pid_file), "DELAY_HANDLER_S": "5"})
+    wait_for([pid_file])
+    os.killpg(launcher.pid, signal.SIGUSR1)
+    rc, stderr = finish(launcher)
+    assert rc == 75, stderr
+    assert "died of SIGUSR1 before installing their handlers" in stderr and "stopped before the first step" in stderr
+    assert not (tmp_path / "ready0").exists() and not (tmp_path / "ready1").exists()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(30)
 def test_launcher_survives_usr1_and_waits_for_its_ranks(tmp_path, cli):
     worker = write_worker(tmp_path, USR1_WORKER)
     launcher = cli("--nproc-per-node", "2", worker, str(tmp_path), "wait-go")

@@ -131,7 +131,8 @@ def forward(group: RankGroup, signum: int, log: Log) -> None:
         sent, held = group.request_stop(signum)
         if held:
             log(f"{name}: ranks {[group.ranks[local] for local in held]} are not ready yet; "
-                "recorded a pending stop and holding the signal for them")
+                "recorded a pending stop and holding the signal for them (a signal sent to the whole "
+                "process group reaches them directly and ends them)")
     else:
         sent = group.send_signal(signum)
     if sent:

@@ -71,6 +71,7 @@ class RankGroup:
         self.ready_timeout_s = ready_timeout_s
         self._started_at = time.monotonic()
         self._held: dict[int, list[int]] = {}  # local rank -> stop signals held until it is ready
+        self._held_ever: dict[int, set[int]] = {}  # local rank -> every stop signal it was not ready for
         self.procs = list(procs)
         self.ranks = list(ranks)
         self.cmd = list(cmd)
@@ -151,6 +152,7 @@ class RankGroup:
         held = [local for local in live if local not in ready]
         for local in held:
             self._held.setdefault(local, []).append(sig)
+            self._held_ever.setdefault(local, set()).add(sig)
         sent = []
         for local in ready:
             stop_sig = self._stop_signal_for(local, sig)
@@ -181,6 +183,21 @@ class RankGroup:
                 for sig in self._held.pop(local):
                     self.send_signal(sig, [local])
 
+    def _stopped_before_ready(self, codes: Sequence[int | None]) -> bool:
+        """True when every rank died of a stop signal this launcher had recorded while the rank was
+        not ready: the signal reached it directly too (sent to the whole process group, as Slurm
+        and ``kill -- -PGID`` do) before its handlers existed. Nothing was trained past ``LATEST``,
+        so this is a stop before the first step (``PREEMPTED``, requeue), not a failure."""
+        if not all(code is not None and code < 0 and -code in self._held_ever.get(local, ()) for local, code in enumerate(codes)):
+            return False
+        names = sorted({signal.Signals(-code).name for code in codes if code is not None})
+        self._log(
+            f"ranks {list(self.ranks)} died of {', '.join(names)} before installing their handlers (the signal reached "
+            "them directly too, e.g. sent to the whole process group): nothing trained since LATEST, which is "
+            f"unchanged; exit {int(ExitCode.PREEMPTED)} (stopped before the first step)"
+        )
+        return True
+
     def poll(self) -> int | None:
         """Non-blocking: the group exit code once every rank has exited, else ``None``.
 
@@ -193,6 +210,8 @@ class RankGroup:
             self._release_held()
         codes = self.returncodes
         if None not in codes:
+            if self._stopped_before_ready(codes):
+                return int(ExitCode.PREEMPTED)
             return combine_exit_codes(codes)  # type: ignore[arg-type]
         now = time.monotonic()
         if self._failed_at is None:
