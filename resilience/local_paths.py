@@ -27,14 +27,17 @@ def local_path(text: str, key: str) -> str:
     """``text`` as a local filesystem path.
 
     A ``file://`` URL with an empty or ``localhost`` host is its (percent-decoded) absolute path;
-    anything that is not a ``scheme://`` URL is returned unchanged.
+    anything that is not a ``scheme://`` URL (nor ``file:`` without ``//``) is returned unchanged.
 
     Raises:
         NotALocalPath: ``text`` is a URL of another scheme (``s3://``, ``gs://``, ``hdfs://``, ...),
-            or a ``file://`` URL naming another host or no path; the message names ``key``.
+            a ``file://`` URL naming another host or no path, or ``file:`` without ``//``; the message
+            names ``key``.
     """
     match = URL.match(text)
     if match is None:
+        if text[:5].lower() == "file:":  # file:relative or file:/abs: a URL missing its //, not a folder "file:"
+            raise NotALocalPath(f"{key}={text!r}: a file URL must name an absolute local path (file:///path); accepted: {ACCEPTED}")
         return text
     scheme = match.group(1).lower()
     if scheme == "file":

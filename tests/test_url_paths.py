@@ -64,7 +64,7 @@ def test_a_file_url_is_the_local_path_it_names_and_no_folder_called_file_is_made
     assert (cfg.checkpoint.checkpoint_dir, cfg.checkpoint.restore_from) == ("/scratch/ck", "/scratch/ck/epoch_0_step_2")
 
 
-@pytest.mark.parametrize("text", ["file://otherhost/ck", "file://relative/ck"])
+@pytest.mark.parametrize("text", ["file://otherhost/ck", "file://relative/ck", "file:relative/ck", "FILE:/abs/ck"])
 def test_a_file_url_naming_another_host_is_refused(text):
     with pytest.raises(ConfigError, match=r"checkpoint\.checkpoint_dir=.*file:///path"):
         config_from_dict({"checkpoint": {"checkpoint_dir": text}})

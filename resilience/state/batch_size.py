@@ -52,7 +52,7 @@ def global_batch_size(configured: int | None, loader: Any, ctx: DistContext, acc
     derived = None if any(size is None for size in sizes) else sum(sizes) * accumulation
     if configured is not None and derived is not None and configured != derived:
         raise ConfigError(
-            f"{KEY}: {configured} does not match the loaders: batch sizes {sizes} over {len(sizes)} rank(s) x "
+            f"{KEY} (MindSpore: training.global_batch_size): {configured} does not match the loaders: batch sizes {sizes} over {len(sizes)} rank(s) x "
             f"step_scheduler.gradient_accumulation_steps {accumulation} = {derived} samples per optimizer step. "
             f"Set {KEY} to {derived}, or null to derive it"
         )
@@ -108,7 +108,8 @@ def continue_with_batch_size(
     if old_per_batch == per_batch:
         return step_state, data_position
     samples = int(step_state["batches_in_epoch"]) * old_per_batch
-    if meta.get("epoch_complete") and loader_length(loader) is not None:
+    complete = bool(meta.get("epoch_complete")) and loader_length(loader) is not None
+    if complete:
         moved = loader_length(loader)  # the next epoch starts fresh at any batch size
     elif samples % per_batch == 0:
         moved = samples // per_batch
@@ -118,14 +119,13 @@ def continue_with_batch_size(
             f"{KEY} changed from {old} (saved in {checkpoint}) to {new} ({source}): the {samples} samples of epoch "
             f"{step_state['epoch']} consumed so far are not a whole number of loader batches of {per_batch} over all ranks "
             f"(a global batch of {new} in {accumulation} micro-batch(es)), so resuming would "
-            f"skip or repeat samples. Resume with a global batch of {old}, or of a size that divides {samples}, or "
-            "from a checkpoint at an epoch's end"
+            f"skip or repeat samples. Resume with a global batch of {old}, or with a per-rank batch x world size that "
+            f"divides {samples}, or from a checkpoint at an epoch's end"
         )
-    log.warning(
-        "%s: global batch %d -> %d samples: epoch %d continues after its %d consumed samples (batch %d of the new size); "
-        "global_step %d continues (it counts optimizer steps, as the LR scheduler does)",
-        checkpoint, old, new, step_state["epoch"], samples, moved, step_state["global_step"],
-    )
+    where = (f"epoch {step_state['epoch']} was complete: the next starts at its first sample" if complete else
+             f"epoch {step_state['epoch']} continues after its {samples} consumed samples (batch {moved} of the new size)")
+    log.warning("%s: global batch %d -> %d samples: %s; global_step %d continues (it counts optimizer steps, as the "
+                "LR scheduler does)", checkpoint, old, new, where, step_state["global_step"])
     state = {**step_state, "batches_in_epoch": moved}
     if data_position is None:
         return state, None
