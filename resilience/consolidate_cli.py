@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from resilience.checkpoint.layout import CONSOLIDATED
 from resilience.exit_codes import ExitCode
 from resilience.local_paths import local_path
 
@@ -20,7 +21,7 @@ from resilience.local_paths import local_path
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``DIR``, ``--output``, ``--nproc``, ``--num-threads``, ``--cast-dtype``, ``--no-progress``."""
     parser.add_argument("directory", metavar="DIR", help="a checkpoint's model/ directory, or the checkpoint directory holding it")
-    parser.add_argument("--output", default=None, help="where the bundle goes (default DIR/consolidated)")
+    parser.add_argument("--output", default=None, help=f"where the bundle goes (default DIR/{CONSOLIDATED})")
     parser.add_argument("--nproc", default=None, help="worker processes (default $NPROC_PER_NODE or 1)")
     parser.add_argument("--num-threads", default=None, help="reader threads per worker (default $NUM_THREADS or 5)")
     parser.add_argument("--cast-dtype", default=None, help="bf16, fp16, fp32 or fp64 for ordinary float tensors (default $CAST_DTYPE, else original dtypes)")

@@ -14,19 +14,19 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from resilience.checkpoint.layout import (BAD_MARKER, BUNDLE_MANIFEST, MANIFEST, MODEL_CONSOLIDATE_SH, MODEL_CONSOLIDATED, STAGING_PREFIX,
+                                          TRASH_PREFIX, list_checkpoints, parse_checkpoint_name)
 from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, within
 from resilience.exit_codes import ExitCode
 
 def _targets(path: Path) -> tuple[list[Path], list[str]]:
     """(checkpoint directories to verify, names of unpublished leftovers skipped)."""
-    from resilience.checkpoint.layout import MANIFEST, STAGING_PREFIX, TRASH_PREFIX, list_checkpoints, parse_checkpoint_name
-
     if (path / MANIFEST).exists() or parse_checkpoint_name(path.name) or path.name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
         return [path], []
     found = list_checkpoints(path)
     if not found:
         raise UsageError(
-            f"PATH {str(path)!r}: neither a checkpoint directory (no manifest.json) nor a checkpoint root "
+            f"PATH {str(path)!r}: neither a checkpoint directory (no {MANIFEST}) nor a checkpoint root "
             "(no epoch_<E>_step_<S> directories in it)"
         )
     leftovers = sorted(c.name for c in path.iterdir() if c.is_dir() and c.name.startswith((STAGING_PREFIX, TRASH_PREFIX)))
@@ -86,12 +86,8 @@ def _bundle(directory: Path, manifest: dict[str, Any]) -> tuple[str | None, dict
     None (no bundle, or one written with the checkpoint and so in its manifest), ``verified``
     (written later, with ``bundle_manifest.json``: ``files`` are its entries), ``unverified``
     (written later, without one) or ``failed`` (its bundle manifest is unreadable: ``problem``)."""
-
-    from resilience.checkpoint.consolidate import BUNDLE_MANIFEST
-    from resilience.checkpoint.model_io import CONSOLIDATED_DIR
-
-    bundle = directory / CONSOLIDATED_DIR
-    if not bundle.is_dir() or any(rel.startswith(CONSOLIDATED_DIR + "/") for rel in manifest["files"]):
+    bundle = directory / MODEL_CONSOLIDATED
+    if not bundle.is_dir() or any(rel.startswith(MODEL_CONSOLIDATED + "/") for rel in manifest["files"]):
         return None, None, None
     if not (bundle / BUNDLE_MANIFEST).exists():
         return "unverified", None, None
@@ -114,25 +110,21 @@ def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: s
     ``{"name", "ok", "files_checked", "bytes_checked", "failures": [{"file", "problem"}],
     "marked_bad", "bundle"}`` (``bundle``: None, ``verified``, ``unverified`` or ``failed``).
     """
-    from resilience.checkpoint.consolidate import BUNDLE_MANIFEST
-    from resilience.checkpoint.layout import BAD_MARKER
-    from resilience.checkpoint.model_io import CONSOLIDATED_DIR
-
     result: dict[str, Any] = {"name": directory.name, "ok": True, "files_checked": 0, "bytes_checked": 0, "failures": [],
                               "marked_bad": first_line(directory / BAD_MARKER) if (directory / BAD_MARKER).exists() else None,
                               "bundle": None}
     if manifest is None:
-        result["failures"].append({"file": "manifest.json", "problem": error or "unreadable"})
+        result["failures"].append({"file": MANIFEST, "problem": error or "unreadable"})
     else:
         _check_files(directory, manifest["files"], result, advance)
         state, files, problem = _bundle(directory, manifest)
         result["bundle"] = state
-        prefix = f"{CONSOLIDATED_DIR}/"
+        prefix = f"{MODEL_CONSOLIDATED}/"
         if problem is not None:
             result["failures"].append({"file": prefix + BUNDLE_MANIFEST, "problem": problem})
         elif files is not None:
             before = len(result["failures"])
-            _check_files(directory / CONSOLIDATED_DIR, files, result, advance, prefix)
+            _check_files(directory / MODEL_CONSOLIDATED, files, result, advance, prefix)
             if len(result["failures"]) > before:
                 result["bundle"] = "failed"
     result["ok"] = not result["failures"]
@@ -147,7 +139,6 @@ def verify_path(path: Path, *, progress: bool = True) -> dict[str, Any]:
     """
     from tqdm import tqdm
 
-    from resilience.checkpoint.layout import MANIFEST
     from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
 
     directories, leftovers = _targets(path)
@@ -179,10 +170,10 @@ def format_verify(doc: dict[str, Any]) -> str:
             lines.append(f"{r['name']}: FAILED{count}{note}")
             lines += [f"  {f['file']}: {f['problem']}" for f in r["failures"]]
         if r.get("bundle") == "verified":
-            lines.append("  model/consolidated/: verified against its bundle_manifest.json (written after the checkpoint)")
+            lines.append(f"  {MODEL_CONSOLIDATED}/: verified against its {BUNDLE_MANIFEST} (written after the checkpoint)")
         elif r.get("bundle") == "unverified":
-            lines.append("  model/consolidated/: unverified (written after the checkpoint, with no bundle_manifest.json; "
-                         "remove it and run model/consolidate.sh again to get one)")
+            lines.append(f"  {MODEL_CONSOLIDATED}/: unverified (written after the checkpoint, with no {BUNDLE_MANIFEST}; "
+                         f"remove it and run {MODEL_CONSOLIDATE_SH} again to get one)")
     for name in doc["skipped"]:
         lines.append(f"{name}: skipped (not published)")
     failed = sum(not r["ok"] for r in doc["checkpoints"])

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-EXTRA_DIR = "extra"
+from resilience.checkpoint.layout import EXTRA_DIR, extra_files
+
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
 _ITEMS = "__items__"
@@ -79,12 +80,11 @@ def save_extra_state(directory: Path, name: str, state: Any) -> list[str]:
     tensors: dict[str, torch.Tensor] = {}
     doc = _encode(state, tensors, f"{EXTRA_DIR}.{name}")
     (directory / EXTRA_DIR).mkdir(exist_ok=True)
-    written = [f"{EXTRA_DIR}/{name}.json"]
-    (directory / written[0]).write_text(json.dumps(doc))
+    doc_file, tensor_file = extra_files(name)
+    (directory / doc_file).write_text(json.dumps(doc))
     if tensors:
-        written.append(f"{EXTRA_DIR}/{name}.safetensors")
-        save_file(tensors, str(directory / written[1]))
-    return written
+        save_file(tensors, str(directory / tensor_file))
+    return [doc_file, tensor_file] if tensors else [doc_file]
 
 
 def load_extra_state(directory: Path, name: str) -> Any:
@@ -93,7 +93,8 @@ def load_extra_state(directory: Path, name: str) -> Any:
     Raises:
         FileNotFoundError: the checkpoint has no state of that name (registered after it was saved).
     """
-    doc = json.loads((directory / EXTRA_DIR / f"{name}.json").read_text())
-    blob = directory / EXTRA_DIR / f"{name}.safetensors"
+    doc_file, tensor_file = extra_files(name)
+    doc = json.loads((directory / doc_file).read_text())
+    blob = directory / tensor_file
     tensors = load_file(str(blob)) if blob.exists() else {}
     return _decode(doc, tensors)

@@ -62,7 +62,7 @@ def validate(directory: Path, *, checksums: bool = True) -> dict[str, Any]:
         if not isinstance(want, dict) or size != want.get("size"):
             raise CheckpointInvalid(f"{path}: {size} bytes, manifest says {want.get('size') if isinstance(want, dict) else want!r} (truncated?)")
         if entry_digest(want) is None:
-            raise CheckpointInvalid(f"{directory / 'manifest.json'}: the entry of {rel} has no digest")
+            raise CheckpointInvalid(f"{directory / MANIFEST}: the entry of {rel} has no digest")
     if checksums:
         check_contents(directory, doc)
     return doc

@@ -74,7 +74,7 @@ def _raise_if_any(ctx: DistContext, error: str | None, what: str, name: str) -> 
     failed = {rank: err for rank, err in enumerate(errors) if err}
     if failed:
         detail = "; ".join(f"rank {rank}: {err}" for rank, err in failed.items())
-        raise CheckpointSaveError(f"saving checkpoint {name} failed while {what} ({detail}); LATEST was not moved")
+        raise CheckpointSaveError(f"saving checkpoint {name} failed while {what} ({detail}); {LATEST} was not moved")
 
 
 def _describe(exc: BaseException) -> str:
@@ -127,7 +127,7 @@ def save_checkpoint(
         if ctx.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         detail = "; ".join(f"rank {rank}: {err}" for rank, err in failed.items())
-        raise CheckpointSaveError(f"saving checkpoint {name} failed while writing files ({detail}); LATEST was not moved")
+        raise CheckpointSaveError(f"saving checkpoint {name} failed while writing files ({detail}); {LATEST} was not moved")
 
     # 3. publish (rank 0): manifest last, fsync directories, rename, fsync root, then LATEST
     error = None
