@@ -44,9 +44,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from resilience.checkpoint.durable import fsync_dir, fsync_file, record, write_bytes
-from resilience.checkpoint.hf_export import ST_DTYPES, read_safetensors_header
 from resilience.checkpoint.layout import (ADAPTER_CONFIG, BUNDLE_MANIFEST, CONSOLIDATED, DCP_METADATA, HF_CONFIG, HF_INDEX, HF_METADATA,
                                           MODEL_DIR, MODEL_SHARD_GLOB, SHARD_INDEX, hf_file_name)
+from resilience.checkpoint.safetensors_file import ST_DTYPES, read_safetensors_header
 
 log = logging.getLogger("resilience.consolidate")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,8 @@ from typing import Any
 import torch
 
 from resilience.checkpoint.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, HF_CONFIG, HF_INDEX, HF_SINGLE_FILE
+from resilience.checkpoint.safetensors_file import ST_DTYPES, read_safetensors_header
 
-# safetensors header dtype codes -> torch dtype names (the names used in our JSON files).
-ST_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-    "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2", "C64": "complex64",
-}
-_HEADER_LIMIT = 100 << 20  # safetensors' own limit on the JSON header (bytes)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -76,25 +68,6 @@ def tied_weight_keys(model: torch.nn.Module) -> set[str]:
         names = getattr(module, "_tied_weights_keys", None) or ()
         keys.update(f"{prefix}.{name}" if prefix else str(name) for name in names)
     return keys
-
-
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (``__metadata__`` included); reads no tensor data.
-
-    Raises:
-        ValueError: not a safetensors file (bad length prefix or header).
-    """
-    with open(path, "rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > _HEADER_LIMIT:
-            raise ValueError(f"{path}: not a safetensors file (header of {length} bytes)")
-        try:
-            return json.loads(fh.read(length))
-        except ValueError as exc:
-            raise ValueError(f"{path}: not a safetensors file ({exc})") from exc
 
 
 def _original_files(model: torch.nn.Module) -> list[Path]:
