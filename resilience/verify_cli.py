@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -33,52 +32,29 @@ def _targets(path: Path) -> tuple[list[Path], list[str]]:
     return found, leftovers
 
 
-def _entry_ok(rel: Any, want: Any) -> bool:
-    from resilience.checkpoint.durable import entry_digest
-
-    return (
-        isinstance(rel, str) and rel and not os.path.isabs(rel) and ".." not in Path(rel).parts
-        and isinstance(want, dict) and isinstance(want.get("size"), int) and entry_digest(want) is not None
-    )
-
-
 def _check_files(directory: Path, files: dict[str, Any], result: dict[str, Any], advance: Callable[[int], object], prefix: str = "") -> None:
     """Check each ``files`` entry (``{relative path: {"size", digest}}``, under ``directory``)
     against the bytes on disk; failures are appended to ``result["failures"]`` named
     ``prefix + path``, counts added to ``result``."""
-    from resilience.checkpoint.durable import entry_digest, file_digest
+    from resilience.checkpoint.manifest import digest_problem, size_problem, well_formed
 
     failures = result["failures"]
     for rel, want in sorted(files.items()):
         name = f"{prefix}{rel}"
-        if not _entry_ok(rel, want):
+        if not well_formed(rel, want):
             failures.append({"file": name, "problem": "malformed manifest entry (needs a relative path, an integer size and a digest)"})
             continue
-        path = directory / rel
         result["files_checked"] += 1
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            failures.append({"file": name, "problem": "missing"})
-            advance(want["size"])
+        problem = size_problem(directory / rel, want["size"])
+        if problem is not None:
+            failures.append({"file": name, "problem": problem})
+            advance(want["size"])  # not read
             continue
-        except OSError as exc:
-            failures.append({"file": name, "problem": f"unreadable ({exc.strerror})"})
-            advance(want["size"])
-            continue
-        if size != want["size"]:
-            failures.append({"file": name, "problem": f"{size} bytes, manifest says {want['size']} (truncated?)"})
-            advance(want["size"])
-            continue
-        algorithm, want_digest = entry_digest(want)
-        try:
-            digest = file_digest(path, algorithm, advance)
-        except OSError as exc:
-            failures.append({"file": name, "problem": f"unreadable ({exc.strerror})"})
-            continue
-        result["bytes_checked"] += size
-        if digest != want_digest:
-            failures.append({"file": name, "problem": "checksum mismatch (corrupted bytes)"})
+        problem = digest_problem(directory / rel, want, advance)
+        if problem is None or not problem.startswith("unreadable"):
+            result["bytes_checked"] += want["size"]
+        if problem is not None:
+            failures.append({"file": name, "problem": problem})
 
 
 def _bundle(directory: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None, str | None]:

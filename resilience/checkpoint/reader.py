@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, list_checkpoints, parse_checkpoint_name
-from resilience.checkpoint.durable import entry_digest, file_digest
 from resilience.checkpoint.lineage import lineage, meta_of
-from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest, validate
+from resilience.checkpoint.manifest import CheckpointInvalid, digest_problem, read_manifest, validate
 from resilience.checkpoint.pointers import PointerError, read_pointer
 from resilience.distributed import DistContext
 
@@ -201,14 +200,7 @@ class _ContentCheck(threading.Thread):
     def run(self) -> None:
         """Digest each file in turn; stop at the first problem, recorded in ``problem``."""
         for rel in self.rels:
-            path = self.directory / rel
-            digest = entry_digest(self.files[rel])
-            try:
-                if digest is None:
-                    self.problem = f"{path}: its manifest entry has no digest"
-                elif file_digest(path, digest[0]) != digest[1]:
-                    self.problem = f"{path}: checksum mismatch (corrupted bytes)"
-            except OSError as exc:
-                self.problem = f"{path}: unreadable ({exc})"
-            if self.problem:
+            problem = digest_problem(self.directory / rel, self.files[rel])
+            if problem is not None:
+                self.problem = f"{self.directory / rel}: {problem}"
                 return
