@@ -12,7 +12,7 @@ from resilience.launch.forwarding import FORWARDED_SIGNALS, RecordedSignals, for
 from resilience.launch.rank_group import POLL_INTERVAL_S
 from resilience.launch.start import launch
 
-PID_FILE_ENV = "RESILIENCE_PID_FILE"
+from resilience.env_names import PID_FILE_ENV
 
 
 def _stderr_log(message: str) -> None:
