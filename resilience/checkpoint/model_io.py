@@ -50,6 +50,7 @@ except ImportError:  # torch < 2.5
 
 from resilience.checkpoint import consolidate as consolidation
 from resilience.checkpoint import dcp_io, hf_export
+from resilience.checkpoint.balance import balance
 from resilience.checkpoint.durable import FileRecord
 from resilience.checkpoint.layout import (ADAPTER_CONFIG, CONSOLIDATE_SH, DCP_METADATA, MODEL_CONSOLIDATE_SH, MODEL_CONSOLIDATED,
                                           MODEL_DIR, MODEL_HF_METADATA, MODEL_SHARD_INDEX, SHARD_INDEX, model_shard_name)
@@ -219,7 +220,7 @@ def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.
     originals = hf_export.original_tensors(model)
     nbytes = {key: t.numel() * t.element_size() for key, t in state.items()}
     file_of, num_files = _file_plan(list(nbytes.items()), originals, max_file_bytes)
-    owner = _rank_plan(nbytes, world_size)
+    owner = balance(nbytes, world_size)  # writer rank per key (ties in state-dict order)
     index = {
         "format": _INDEX_FORMAT,
         "version": 1,
@@ -312,14 +313,3 @@ def _file_plan(sizes: list[tuple[str, int]], originals: dict[str, dict[str, str]
     return {key: used[index] for key, index in file_of.items()}, max(len(used), 1)
 
 
-def _rank_plan(nbytes: dict[str, int], world_size: int) -> dict[str, int]:
-    """Writer rank per key: largest tensors first, each to the least loaded rank (ties: lowest
-    rank, then state-dict order), so every rank computes the same balanced split."""
-    load = [0] * world_size
-    owner = {}
-    keys = list(nbytes)
-    for i in sorted(range(len(keys)), key=lambda i: (-nbytes[keys[i]], i)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owner[keys[i]] = rank
-        load[rank] += nbytes[keys[i]]
-    return owner

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from resilience.checkpoint.balance import balance
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, list_checkpoints, parse_checkpoint_name
 from resilience.checkpoint.lineage import lineage, meta_of
 from resilience.checkpoint.manifest import CheckpointInvalid, digest_problem, read_manifest, validate
@@ -177,14 +178,8 @@ def load_verified(ctx: DistContext, directory: Path, load: Callable[[], T]) -> T
 
 def _share(files: dict[str, Any], rank: int, world_size: int) -> list[str]:
     """This rank's files to digest: largest first, each to the least loaded rank (all ranks agree)."""
-    load = [0] * world_size
-    mine = []
-    for rel in sorted(files, key=lambda rel: (-int(files[rel].get("size", 0)), rel)):
-        owner = min(range(world_size), key=lambda r: (load[r], r))
-        load[owner] += int(files[rel].get("size", 0))
-        if owner == rank:
-            mine.append(rel)
-    return sorted(mine)  # path order: roughly the order the loader reads them
+    owner = balance({rel: int(files[rel].get("size", 0)) for rel in sorted(files)}, world_size)
+    return sorted(rel for rel, r in owner.items() if r == rank)  # path order: roughly the order the loader reads them
 
 
 class _ContentCheck(threading.Thread):
