@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from resilience.checkpoint.layout import CONFIG, MANIFEST, list_checkpoints
 from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, print_doc, saved_section
 from resilience.exit_codes import ExitCode
 
@@ -39,7 +40,6 @@ def _number(value: Any) -> float | None:
 def _recorded_timings(root: Path) -> list[dict[str, Any]]:
     """``{"name", "saved_at", "step_s", "save_s"}`` of every readable manifest under ``root``
     (or of ``root`` itself when it is a checkpoint), newest first."""
-    from resilience.checkpoint.layout import MANIFEST, list_checkpoints
     from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
 
     directories = [root] if (root / MANIFEST).exists() else list_checkpoints(root)
@@ -181,7 +181,7 @@ def add_advise_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--agreement-every-steps", default=None,
         help="the stop agreement's cadence k in steps, or auto (step_scheduler.agreement_every_steps; default: the run's own, "
-        "from its saved config.yaml, else auto): a stop may run 2k - 1 more steps",
+        f"from its saved {CONFIG}, else auto): a stop may run 2k - 1 more steps",
     )
     parser.add_argument("--median", action="store_true", help="the median over all checkpoints instead of the newest timings")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of text")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from resilience.checkpoint.layout import CONFIG
 from resilience.local_paths import NotALocalPath, local_path
 
 JSON_VERSION = 1
@@ -56,12 +57,12 @@ def print_doc(doc: dict[str, Any], as_json: bool, format_doc: Callable[[dict[str
 
 
 def saved_section(directory: Path, section: str) -> dict[str, Any]:
-    """Section ``section`` of the ``config.yaml`` a checkpoint saved (the run's own settings);
+    """Section ``section`` of the ``config.yaml`` (``CONFIG``) a checkpoint saved (the run's own settings);
     ``{}`` when the file is missing, unreadable or has no such mapping."""
     import yaml
 
     try:
-        value = (yaml.safe_load((directory / "config.yaml").read_text()) or {}).get(section)
+        value = (yaml.safe_load((directory / CONFIG).read_text()) or {}).get(section)
     except (OSError, ValueError, AttributeError, yaml.YAMLError):
         return {}
     return value if isinstance(value, dict) else {}

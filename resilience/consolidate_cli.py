@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 
+from resilience.checkpoint.layout import CONSOLIDATED
+from resilience.env_names import CONSOLIDATE
 from resilience.exit_codes import ExitCode
 from resilience.local_paths import local_path
 
@@ -20,7 +22,7 @@ from resilience.local_paths import local_path
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``DIR``, ``--output``, ``--nproc``, ``--num-threads``, ``--cast-dtype``, ``--no-progress``."""
     parser.add_argument("directory", metavar="DIR", help="a checkpoint's model/ directory, or the checkpoint directory holding it")
-    parser.add_argument("--output", default=None, help="where the bundle goes (default DIR/consolidated)")
+    parser.add_argument("--output", default=None, help=f"where the bundle goes (default DIR/{CONSOLIDATED})")
     parser.add_argument("--nproc", default=None, help="worker processes (default $NPROC_PER_NODE or 1)")
     parser.add_argument("--num-threads", default=None, help="reader threads per worker (default $NUM_THREADS or 5)")
     parser.add_argument("--cast-dtype", default=None, help="bf16, fp16, fp32 or fp64 for ordinary float tensors (default $CAST_DTYPE, else original dtypes)")
@@ -43,14 +45,14 @@ def run(args: argparse.Namespace) -> int:
     """Consolidate ``args.directory``; 0 on success (or nothing to do), 2 on a usage error, 1 else."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        nproc = _count("--nproc", args.nproc, "NPROC_PER_NODE", 1)
-        threads = _count("--num-threads", args.num_threads, "NUM_THREADS", 5)
+        nproc = _count("--nproc", args.nproc, CONSOLIDATE["nproc"], 1)
+        threads = _count("--num-threads", args.num_threads, CONSOLIDATE["num_threads"], 5)
         directory = local_path(args.directory, "DIR")
         output = local_path(args.output, "--output") if args.output is not None else None
     except ValueError as exc:  # NotALocalPath too: a URL is not read as a local folder "s3:"
         print(f"resilience consolidate: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
-    cast = args.cast_dtype if args.cast_dtype is not None else os.environ.get("CAST_DTYPE")
+    cast = args.cast_dtype if args.cast_dtype is not None else os.environ.get(CONSOLIDATE["cast_dtype"])
 
     from resilience.checkpoint.consolidate import ConsolidateError, consolidate  # imports torch
 

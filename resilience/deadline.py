@@ -14,6 +14,7 @@ from typing import Any
 
 from resilience import timing
 from resilience.config import ResilienceConfig
+from resilience.env_names import SIGNAL_LEAD_S_ENV
 from resilience.slurm import SlurmJob
 
 log = logging.getLogger("resilience")
@@ -59,7 +60,7 @@ class Deadline:
         after each save."""
         if self.rank != 0 or self._lead_time_warned:
             return
-        lead = os.environ.get("RESILIENCE_SIGNAL_LEAD_S")
+        lead = os.environ.get(SIGNAL_LEAD_S_ENV)
         if lead is None and SlurmJob.from_env() is None:
             return
         lead_s = float(lead) if lead is not None else float(self.config.slurm.signal_lead_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -59,6 +60,20 @@ class DistContext:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def gather_or_raise(self, error: str | None, payload: Any = None, *, fail: Callable[[str], BaseException]) -> list[Any]:
+        """Every rank's ``payload``, indexed by rank, or the same exception on every rank.
+
+        One all-gather of ``(payload, error)`` (a collective: every rank calls it, failed or not).
+        When any rank's ``error`` is set (a one-line description of its failure), every rank raises
+        ``fail(detail)``, ``detail`` being ``"rank R: error"`` of each failed rank joined by ``"; "``;
+        so a failure seen by one rank stops all of them at the same point.
+        """
+        gathered = self.all_gather_object((payload, error))
+        failed = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(gathered) if err]
+        if failed:
+            raise fail("; ".join(failed))
+        return [item for item, _ in gathered]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """``obj`` from rank ``src`` on every rank."""

@@ -13,10 +13,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-READY_DIR_ENV = "RESILIENCE_READY_DIR"
-"""Directory where each rank creates ``rank_<RANK>`` once its signal handlers are installed."""
-STOP_FILE_ENV = "RESILIENCE_STOP_FILE"
-"""A file whose existence means "a stop was requested" (launcher or batch script writes it)."""
+from resilience.env_names import READY_DIR_ENV, STOP_FILE_ENV, TORCH
 
 
 def ready_marker(ready_dir: str | os.PathLike, rank: int) -> Path:
@@ -39,7 +36,7 @@ def mark_ready_and_check_stop(env: Mapping[str, str] | None = None, *, acts_on_s
     later could land after its loop ended and its default disposition (terminate) is back."""
     env = os.environ if env is None else env
     ready_dir = env.get(READY_DIR_ENV)
-    rank = int(env.get("RANK", "0"))
+    rank = int(env.get(TORCH["rank"], "0"))
     if ready_dir and os.path.isdir(ready_dir):
         try:
             ready_marker(ready_dir, rank).touch()

@@ -31,7 +31,8 @@ import torch
 from resilience import progress_guard
 from resilience.agreement import StopAgreement
 from resilience.checkpoint import Checkpointer, TrainingState
-from resilience.checkpoint.best import VALIDATION_LOG, append_jsonl
+from resilience.checkpoint.best import append_jsonl
+from resilience.checkpoint.layout import TRAINING_LOG, VALIDATION_LOG
 from resilience.config import ResilienceConfig, config_from_dict
 from resilience.deadline import Deadline
 from resilience.distributed import DistContext
@@ -49,7 +50,6 @@ from resilience.timing import RunTimer, auto_cadence
 
 log = logging.getLogger("resilience")
 
-TRAINING_LOG = "training.jsonl"
 STOP_PREEMPTION = 1  # reason codes carried by the agreement collective (combined with MAX)
 STOP_DEADLINE = 2
 

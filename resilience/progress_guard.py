@@ -27,15 +27,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from resilience.checkpoint.layout import STARTS_FILE
 from resilience.exit_codes import ExitCode
 
 if TYPE_CHECKING:  # torch-free at run time
     from resilience.distributed import DistContext
 
 log = logging.getLogger("resilience")
-
-STARTS_FILE = ".starts.json"
-
 
 def must_end(ctx: DistContext, root: Path, resumed_from: Path | None, limit: int | None, preemption_limit: int | None = None) -> bool:
     """The guard at a run's start, a collective over ``ctx``: rank 0 counts this start from

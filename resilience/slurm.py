@@ -14,8 +14,7 @@ import subprocess
 from collections.abc import Mapping
 
 # Environment contract with templates/slurm*.sub (set by the batch script, read by the ranks).
-TEMPLATE_ENV = "RESILIENCE_TEMPLATE"  # "1" when launched by one of our batch templates
-RUN_ID_ENV = "RESILIENCE_RUN_ID"  # kept across requeues and resubmissions
+from resilience.env_names import RUN_ID_ENV, SLURM, TEMPLATE_ENV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,23 +36,27 @@ class SlurmJob:
     def from_env(cls, env: Mapping[str, str] | None = None) -> SlurmJob | None:
         """The job described by ``env`` (default ``os.environ``), or ``None`` outside Slurm."""
         env = os.environ if env is None else env
-        job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-        if not job_id:
-            return None
 
-        def _int(name: str) -> int | None:
-            value = env.get(name)
+        def _get(field: str) -> str | None:  # the first of the field's names that is set (``a or b``)
+            *first, last = SLURM[field]
+            return next((env[name] for name in first if env.get(name)), env.get(last))
+
+        def _int(field: str) -> int | None:
+            value = _get(field)
             return int(value) if value and value.isdigit() else None
 
+        job_id = _get("job_id")
+        if not job_id:
+            return None
         return cls(
             job_id=job_id,
-            array_job_id=env.get("SLURM_ARRAY_JOB_ID"),
-            array_task_id=env.get("SLURM_ARRAY_TASK_ID"),
-            restart_count=_int("SLURM_RESTART_COUNT") or 0,
-            step_id=env.get("SLURM_STEP_ID"),
-            node_list=env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"),
-            node_id=_int("SLURM_NODEID"),
-            procid=_int("SLURM_PROCID"),
+            array_job_id=_get("array_job_id"),
+            array_task_id=_get("array_task_id"),
+            restart_count=_int("restart_count") or 0,
+            step_id=_get("step_id"),
+            node_list=_get("node_list"),
+            node_id=_int("node_id"),
+            procid=_int("procid"),
         )
 
     @property

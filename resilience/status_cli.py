@@ -21,10 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from resilience.checkpoint.layout import LATEST, LOWEST_VAL, POINTER_SUFFIX, pointer_text_name
 from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, saved_section, within
 from resilience.exit_codes import ExitCode
 
-_POINTER_ORDER = ("LATEST", "LOWEST_VAL")
+_POINTER_ORDER = (LATEST, LOWEST_VAL)
 
 
 def human_size(size: int | None) -> str:
@@ -108,9 +109,7 @@ def _model_info(path: Path) -> dict[str, Any]:
     """What ``path/model/`` holds, from its file names: ``model_format`` (``safetensors``,
     ``torch_save`` or None), ``model_weights`` (``full``, ``adapters`` for a PEFT model, or None)
     and ``hf_bundle`` (True when ``model/consolidated/`` has a Hugging Face index)."""
-    from resilience.checkpoint.consolidate import CONSOLIDATED, HF_INDEX, SHARD_INDEX
-    from resilience.checkpoint.hf_export import ADAPTER_WEIGHTS
-    from resilience.checkpoint.model_io import MODEL_DIR
+    from resilience.checkpoint.layout import ADAPTER_WEIGHTS, CONSOLIDATED, DCP_METADATA, DCP_SUFFIX, HF_INDEX, MODEL_DIR, SAFETENSORS_SUFFIX, SHARD_INDEX
 
     model = path / MODEL_DIR
     try:
@@ -120,9 +119,9 @@ def _model_info(path: Path) -> dict[str, Any]:
     fmt = weights = None
     if ADAPTER_WEIGHTS in names:
         fmt, weights = "safetensors", "adapters"
-    elif SHARD_INDEX in names or any(n.endswith(".safetensors") for n in names):
+    elif SHARD_INDEX in names or any(n.endswith(SAFETENSORS_SUFFIX) for n in names):
         fmt, weights = "safetensors", "full"
-    elif ".metadata" in names or any(n.endswith(".distcp") for n in names):
+    elif DCP_METADATA in names or any(n.endswith(DCP_SUFFIX) for n in names):
         fmt, weights = "torch_save", "full"  # DCP files
     return {"model_format": fmt, "model_weights": weights, "hf_bundle": (model / CONSOLIDATED / HF_INDEX).is_file()}
 
@@ -146,16 +145,16 @@ def _pointer_names(root: Path) -> list[str]:
         if child.is_symlink():
             if name in _POINTER_ORDER or "/" not in os.readlink(child).strip("/"):
                 names.add(name)
-        elif name.endswith(".txt") and child.is_file() and len(name) > 4:
+        elif name.endswith(POINTER_SUFFIX) and child.is_file() and len(name) > len(POINTER_SUFFIX):
             try:
                 with open(child, "rb") as fh:
                     text = fh.read(4097).decode().strip()
             except (OSError, UnicodeDecodeError):
                 continue
             if text and len(text) <= 4096 and not any(c.isspace() for c in text) and (
-                name[:-4] in _POINTER_ORDER or parse_checkpoint_name(text) or (root / text).is_dir()
+                name.removesuffix(POINTER_SUFFIX) in _POINTER_ORDER or parse_checkpoint_name(text) or (root / text).is_dir()
             ):
-                names.add(name[:-4])
+                names.add(name.removesuffix(POINTER_SUFFIX))
     order = {name: i for i, name in enumerate(_POINTER_ORDER)}
     return sorted(names, key=lambda n: (order.get(n, len(order)), n))
 
@@ -165,7 +164,7 @@ def _read_pointers(root: Path) -> dict[str, dict[str, Any]]:
 
     pointers = {}
     for name in _pointer_names(root):
-        entry: dict[str, Any] = {"form": "symlink" if (root / name).is_symlink() else f"{name}.txt", "target": None, "error": None}
+        entry: dict[str, Any] = {"form": "symlink" if (root / name).is_symlink() else pointer_text_name(name), "target": None, "error": None}
         try:
             target = read_pointer(root, name)
         except PointerError as exc:
@@ -234,7 +233,7 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
 def _resume_choice(root: Path, entries: list[dict[str, Any]], pointers: dict[str, dict[str, Any]], deep: bool) -> dict[str, Any]:
     """What :func:`resilience.checkpoint.reader._choose` would pick (without ``restore_from``),
     computed without writing ``.bad`` markers."""
-    from resilience.checkpoint.layout import BAD_MARKER, LATEST
+    from resilience.checkpoint.layout import BAD_MARKER
     from resilience.checkpoint.reader import resume_candidates
 
     by_name = {e["name"]: e for e in entries if e["kind"] == "checkpoint"}
@@ -243,9 +242,9 @@ def _resume_choice(root: Path, entries: list[dict[str, Any]], pointers: dict[str
     latest_entry = pointers.get(LATEST)
     latest: Path | None = None
     if latest_entry is None:
-        notes.append("no LATEST pointer")
+        notes.append(f"no {LATEST} pointer")
     elif latest_entry["target"] is None:
-        notes.append(f"LATEST ignored ({latest_entry['error']})")
+        notes.append(f"{LATEST} ignored ({latest_entry['error']})")
     else:
         latest = root / latest_entry["target"]
     candidates = resume_candidates(root, latest)  # the reader's order: LATEST's lineage first
@@ -265,13 +264,13 @@ def _resume_choice(root: Path, entries: list[dict[str, Any]], pointers: dict[str
 
     sizes_only = "" if deep else "; sizes checked, checksums not (--deep checks them, as a resume does)"
     latest_name = latest.name if latest is not None else None
-    skips = ", ".join(f"{s['name']} ({'LATEST, ' if s['name'] == latest_name else ''}{s['why'].split(':')[0]})" for s in skipped)
+    skips = ", ".join(f"{s['name']} ({LATEST + ', ' if s['name'] == latest_name else ''}{s['why'].split(':')[0]})" for s in skipped)
     skips = f"skipped {skips}; " if skips else ""
     noted = "".join(f"{note}; " for note in notes)
     if chosen is None:
         reason = f"fresh start: {noted}{skips}no valid checkpoint left" if candidates else f"fresh start: {noted}no checkpoints under {root}"
     elif chosen == latest_name:
-        reason = f"LATEST -> {chosen}, which is complete"
+        reason = f"{LATEST} -> {chosen}, which is complete"
     elif latest_name is not None:
         reason = f"{skips}{chosen} is the newest older valid checkpoint"
     else:
@@ -303,7 +302,8 @@ def inspect_root(root: Path, *, deep: bool = False) -> dict[str, Any]:
 def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:
     """The requeue-loop guard's counts (``.starts.json``, :mod:`resilience.progress_guard`) and
     whether, and why, the next start from ``pick`` would exit 76; ``None`` when nothing is counted."""
-    from resilience.progress_guard import STARTS_FILE, before_next_start, read, verdict
+    from resilience.checkpoint.layout import STARTS_FILE
+    from resilience.progress_guard import before_next_start, read, verdict
 
     doc = read(root)
     if doc is None:

@@ -9,78 +9,63 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from resilience.checkpoint.layout import (
+    BAD_MARKER,
+    BUNDLE_MANIFEST,
+    MANIFEST,
+    MODEL_CONSOLIDATE_SH,
+    MODEL_CONSOLIDATED,
+    STAGING_PREFIX,
+    TRASH_PREFIX,
+    list_checkpoints,
+    parse_checkpoint_name,
+)
 from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, within
 from resilience.exit_codes import ExitCode
 
 
 def _targets(path: Path) -> tuple[list[Path], list[str]]:
     """(checkpoint directories to verify, names of unpublished leftovers skipped)."""
-    from resilience.checkpoint.layout import MANIFEST, STAGING_PREFIX, TRASH_PREFIX, list_checkpoints, parse_checkpoint_name
-
     if (path / MANIFEST).exists() or parse_checkpoint_name(path.name) or path.name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
         return [path], []
     found = list_checkpoints(path)
     if not found:
         raise UsageError(
-            f"PATH {str(path)!r}: neither a checkpoint directory (no manifest.json) nor a checkpoint root "
+            f"PATH {str(path)!r}: neither a checkpoint directory (no {MANIFEST}) nor a checkpoint root "
             "(no epoch_<E>_step_<S> directories in it)"
         )
     leftovers = sorted(c.name for c in path.iterdir() if c.is_dir() and c.name.startswith((STAGING_PREFIX, TRASH_PREFIX)))
     return found, leftovers
 
 
-def _entry_ok(rel: Any, want: Any) -> bool:
-    from resilience.checkpoint.durable import entry_digest
-
-    return (
-        isinstance(rel, str) and rel and not os.path.isabs(rel) and ".." not in Path(rel).parts
-        and isinstance(want, dict) and isinstance(want.get("size"), int) and entry_digest(want) is not None
-    )
-
-
 def _check_files(directory: Path, files: dict[str, Any], result: dict[str, Any], advance: Callable[[int], object], prefix: str = "") -> None:
     """Check each ``files`` entry (``{relative path: {"size", digest}}``, under ``directory``)
     against the bytes on disk; failures are appended to ``result["failures"]`` named
     ``prefix + path``, counts added to ``result``."""
-    from resilience.checkpoint.durable import entry_digest, file_digest
+    from resilience.checkpoint.manifest import digest_problem, size_problem, well_formed
 
     failures = result["failures"]
     for rel, want in sorted(files.items()):
         name = f"{prefix}{rel}"
-        if not _entry_ok(rel, want):
+        if not well_formed(rel, want):
             failures.append({"file": name, "problem": "malformed manifest entry (needs a relative path, an integer size and a digest)"})
             continue
-        path = directory / rel
         result["files_checked"] += 1
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            failures.append({"file": name, "problem": "missing"})
-            advance(want["size"])
+        problem = size_problem(directory / rel, want["size"])
+        if problem is not None:
+            failures.append({"file": name, "problem": problem})
+            advance(want["size"])  # not read
             continue
-        except OSError as exc:
-            failures.append({"file": name, "problem": f"unreadable ({exc.strerror})"})
-            advance(want["size"])
-            continue
-        if size != want["size"]:
-            failures.append({"file": name, "problem": f"{size} bytes, manifest says {want['size']} (truncated?)"})
-            advance(want["size"])
-            continue
-        algorithm, want_digest = entry_digest(want)
-        try:
-            digest = file_digest(path, algorithm, advance)
-        except OSError as exc:
-            failures.append({"file": name, "problem": f"unreadable ({exc.strerror})"})
-            continue
-        result["bytes_checked"] += size
-        if digest != want_digest:
-            failures.append({"file": name, "problem": "checksum mismatch (corrupted bytes)"})
+        problem = digest_problem(directory / rel, want, advance)
+        if problem is None or not problem.startswith("unreadable"):
+            result["bytes_checked"] += want["size"]
+        if problem is not None:
+            failures.append({"file": name, "problem": problem})
 
 
 def _bundle(directory: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None, str | None]:
@@ -88,12 +73,8 @@ def _bundle(directory: Path, manifest: dict[str, Any]) -> tuple[str | None, dict
     None (no bundle, or one written with the checkpoint and so in its manifest), ``verified``
     (written later, with ``bundle_manifest.json``: ``files`` are its entries), ``unverified``
     (written later, without one) or ``failed`` (its bundle manifest is unreadable: ``problem``)."""
-
-    from resilience.checkpoint.consolidate import BUNDLE_MANIFEST
-    from resilience.checkpoint.model_io import CONSOLIDATED_DIR
-
-    bundle = directory / CONSOLIDATED_DIR
-    if not bundle.is_dir() or any(rel.startswith(CONSOLIDATED_DIR + "/") for rel in manifest["files"]):
+    bundle = directory / MODEL_CONSOLIDATED
+    if not bundle.is_dir() or any(rel.startswith(MODEL_CONSOLIDATED + "/") for rel in manifest["files"]):
         return None, None, None
     if not (bundle / BUNDLE_MANIFEST).exists():
         return "unverified", None, None
@@ -116,25 +97,21 @@ def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: s
     ``{"name", "ok", "files_checked", "bytes_checked", "failures": [{"file", "problem"}],
     "marked_bad", "bundle"}`` (``bundle``: None, ``verified``, ``unverified`` or ``failed``).
     """
-    from resilience.checkpoint.consolidate import BUNDLE_MANIFEST
-    from resilience.checkpoint.layout import BAD_MARKER
-    from resilience.checkpoint.model_io import CONSOLIDATED_DIR
-
     result: dict[str, Any] = {"name": directory.name, "ok": True, "files_checked": 0, "bytes_checked": 0, "failures": [],
                               "marked_bad": first_line(directory / BAD_MARKER) if (directory / BAD_MARKER).exists() else None,
                               "bundle": None}
     if manifest is None:
-        result["failures"].append({"file": "manifest.json", "problem": error or "unreadable"})
+        result["failures"].append({"file": MANIFEST, "problem": error or "unreadable"})
     else:
         _check_files(directory, manifest["files"], result, advance)
         state, files, problem = _bundle(directory, manifest)
         result["bundle"] = state
-        prefix = f"{CONSOLIDATED_DIR}/"
+        prefix = f"{MODEL_CONSOLIDATED}/"
         if problem is not None:
             result["failures"].append({"file": prefix + BUNDLE_MANIFEST, "problem": problem})
         elif files is not None:
             before = len(result["failures"])
-            _check_files(directory / CONSOLIDATED_DIR, files, result, advance, prefix)
+            _check_files(directory / MODEL_CONSOLIDATED, files, result, advance, prefix)
             if len(result["failures"]) > before:
                 result["bundle"] = "failed"
     result["ok"] = not result["failures"]
@@ -149,7 +126,6 @@ def verify_path(path: Path, *, progress: bool = True) -> dict[str, Any]:
     """
     from tqdm import tqdm
 
-    from resilience.checkpoint.layout import MANIFEST
     from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
 
     directories, leftovers = _targets(path)
@@ -181,10 +157,10 @@ def format_verify(doc: dict[str, Any]) -> str:
             lines.append(f"{r['name']}: FAILED{count}{note}")
             lines += [f"  {f['file']}: {f['problem']}" for f in r["failures"]]
         if r.get("bundle") == "verified":
-            lines.append("  model/consolidated/: verified against its bundle_manifest.json (written after the checkpoint)")
+            lines.append(f"  {MODEL_CONSOLIDATED}/: verified against its {BUNDLE_MANIFEST} (written after the checkpoint)")
         elif r.get("bundle") == "unverified":
-            lines.append("  model/consolidated/: unverified (written after the checkpoint, with no bundle_manifest.json; "
-                         "remove it and run model/consolidate.sh again to get one)")
+            lines.append(f"  {MODEL_CONSOLIDATED}/: unverified (written after the checkpoint, with no {BUNDLE_MANIFEST}; "
+                         f"remove it and run {MODEL_CONSOLIDATE_SH} again to get one)")
     for name in doc["skipped"]:
         lines.append(f"{name}: skipped (not published)")
     failed = sum(not r["ok"] for r in doc["checkpoints"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from resilience import ExitCode, resilient_loop
-from resilience.checkpoint.best import LOWEST_VAL, VALIDATION_LOG
+from resilience.checkpoint.layout import LOWEST_VAL, VALIDATION_LOG
 from resilience.checkpoint.manifest import read_manifest
 from resilience.checkpoint.pointers import read_pointer
 from resilience.config import ConfigError

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from resilience import resilient_loop
 from resilience.checkpoint import model_io
 from resilience.checkpoint.consolidate import consolidate
-from resilience.checkpoint.hf_export import read_safetensors_header
 from resilience.checkpoint.layout import LATEST
 from resilience.checkpoint.manifest import validate
+from resilience.checkpoint.safetensors_file import read_safetensors_header
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata / DCP single-process notices
 

@@ -18,14 +18,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.layout import list_checkpoints
+from resilience.checkpoint.layout import LOWEST_VAL, list_checkpoints, pointer_text_name
 from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
 from resilience.checkpoint.pointers import PointerError, read_pointer, write_pointer
 
 log = logging.getLogger("resilience.checkpoint")
 
-LOWEST_VAL = "LOWEST_VAL"
-VALIDATION_LOG = "validation.jsonl"
 DEFAULT_METRIC_KEY = "default"
 
 
@@ -146,7 +144,7 @@ class LowestVal:
             if value is not None and (best is None or value < best[0]):
                 best = (value, path)
         if best is None:
-            for name in (LOWEST_VAL, f"{LOWEST_VAL}.txt"):
+            for name in (LOWEST_VAL, pointer_text_name(LOWEST_VAL)):
                 if (self.root / name).is_symlink() or (self.root / name).exists():
                     (self.root / name).unlink()
             self.best_value, self.best_name = None, None

@@ -45,29 +45,29 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from resilience.checkpoint.durable import fsync_dir, fsync_file, record, write_bytes
-from resilience.checkpoint.hf_export import ADAPTER_CONFIG, ST_DTYPES, read_safetensors_header
+from resilience.checkpoint.layout import (
+    ADAPTER_CONFIG,
+    BUNDLE_MANIFEST,
+    CONSOLIDATED,
+    DCP_METADATA,
+    HF_CONFIG,
+    HF_INDEX,
+    HF_METADATA,
+    MODEL_DIR,
+    MODEL_SHARD_GLOB,
+    SHARD_INDEX,
+    hf_file_name,
+)
+from resilience.checkpoint.safetensors_file import ST_DTYPES, read_safetensors_header
 
 log = logging.getLogger("resilience.consolidate")
 
-CONSOLIDATED = "consolidated"
-HF_INDEX = "model.safetensors.index.json"
-BUNDLE_MANIFEST = "bundle_manifest.json"
-"""Written last into a bundle made after its checkpoint was published (consolidate.sh,
-``resilience consolidate``): each file's size and digest, for ``resilience verify``. A bundle
-written with the checkpoint (``save_consolidated``) is in the checkpoint's own manifest instead."""
-HF_METADATA = "hf_metadata"
-SHARD_INDEX = "shard_index.json"
 ORDINARY_FLOATS = ("float16", "bfloat16", "float32", "float64")
 CAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 
 
 class ConsolidateError(ValueError):
     """A directory cannot be consolidated; the message says which and why."""
-
-
-def hf_file_name(index: int, count: int) -> str:
-    """Hugging Face's sharded weight file name, ``model-0000I-of-0000N.safetensors`` (1-based)."""
-    return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
 def parse_cast_dtype(value: str | None) -> str | None:
@@ -126,11 +126,11 @@ def read_layout(model_dir: Path) -> dict[str, dict[str, Any]]:
         return {key: {**info, "shard": index["weight_map"][key], "num_files": index["num_files"]} for key, info in index["tensors"].items()}
     if (model_dir / ADAPTER_CONFIG).is_file():
         raise ConsolidateError(f"{model_dir} holds PEFT adapters: they are already a Hugging Face bundle (load it with peft)")
-    if (model_dir / ".metadata").is_file():
+    if (model_dir / DCP_METADATA).is_file():
         raise ConsolidateError(f"{model_dir} holds a DCP model (model_save_format: torch_save); consolidation needs model_save_format: safetensors")
-    shards = sorted(model_dir.glob("shard-*-model-*-of-*.safetensors"))
+    shards = sorted(model_dir.glob(MODEL_SHARD_GLOB))
     if not shards:
-        raise ConsolidateError(f"{model_dir}: no {SHARD_INDEX} and no shard-*-model-*-of-*.safetensors files")
+        raise ConsolidateError(f"{model_dir}: no {SHARD_INDEX} and no {MODEL_SHARD_GLOB} files")
     layout = {}
     for shard in shards:
         _, _, _, file_index, _, num_files = shard.stem.split("-")
@@ -175,7 +175,7 @@ def read_bundle_omits(model_dir: Path, aliases: dict[str, str]) -> set[str]:
     if isinstance(omits, list):
         return {str(key) for key in omits} & set(aliases)
     try:
-        config = json.loads((model_dir / HF_METADATA / "config.json").read_text())
+        config = json.loads((model_dir / HF_METADATA / HF_CONFIG).read_text())
     except (OSError, ValueError):
         return set()
     return set(aliases) if isinstance(config, dict) and config.get("tie_word_embeddings") is True else set()
@@ -202,8 +202,8 @@ def with_alias_copies(layout: dict[str, dict[str, Any]], aliases: dict[str, str]
 def resolve_model_dir(directory: Path) -> Path:
     """``directory`` itself, or ``directory/model`` when given a checkpoint directory."""
     directory = Path(directory)
-    if (directory / "model").is_dir() and not (directory / SHARD_INDEX).exists():
-        return directory / "model"
+    if (directory / MODEL_DIR).is_dir() and not (directory / SHARD_INDEX).exists():
+        return directory / MODEL_DIR
     return directory
 
 
@@ -367,7 +367,7 @@ def _copy_sidecars(sidecar_dir: Path, out_dir: Path, targets: dict[str, str]) ->
         rel = src.relative_to(sidecar_dir)
         dst = out_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        if rel.as_posix() == "config.json":
+        if rel.as_posix() == HF_CONFIG:
             config = json.loads(src.read_text())
             dtype = _dominant_float(targets)
             if dtype is not None:  # the dtype from_pretrained(dtype="auto") will pick

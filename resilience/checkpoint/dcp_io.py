@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from resilience.checkpoint.durable import DurableFile, FileRecord
+from resilience.checkpoint.layout import DCP_METADATA
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -66,7 +67,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         Raises:
             UnsafeCheckpointError: a foreign global, not a ``Metadata``, or a pickled-bytes entry.
         """
-        path = Path(self.path) / ".metadata"
+        path = Path(self.path) / DCP_METADATA
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 

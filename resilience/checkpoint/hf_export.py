@@ -15,23 +15,14 @@ from __future__ import annotations
 
 import copy
 import json
-import struct
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# safetensors header dtype codes -> torch dtype names (the names used in our JSON files).
-ST_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-    "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2", "C64": "complex64",
-}
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_HEADER_LIMIT = 100 << 20  # safetensors' own limit on the JSON header (bytes)
+from resilience.checkpoint.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, HF_CONFIG, HF_INDEX, HF_SINGLE_FILE
+from resilience.checkpoint.safetensors_file import ST_DTYPES, read_safetensors_header
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -78,31 +69,12 @@ def tied_weight_keys(model: torch.nn.Module) -> set[str]:
     return keys
 
 
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (``__metadata__`` included); reads no tensor data.
-
-    Raises:
-        ValueError: not a safetensors file (bad length prefix or header).
-    """
-    with open(path, "rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > _HEADER_LIMIT:
-            raise ValueError(f"{path}: not a safetensors file (header of {length} bytes)")
-        try:
-            return json.loads(fh.read(length))
-        except ValueError as exc:
-            raise ValueError(f"{path}: not a safetensors file ({exc})") from exc
-
-
 def _original_files(model: torch.nn.Module) -> list[Path]:
     """The safetensors files ``model`` was loaded from, when they are still readable."""
     name = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
     if not name:
         return []
-    names = ("model.safetensors.index.json", "model.safetensors")
+    names = (HF_INDEX, HF_SINGLE_FILE)
     directory = Path(name)
     if not directory.is_dir():
         directory = _cached_snapshot(model, name, names)
@@ -162,7 +134,7 @@ def write_hf_metadata(directory: Path, model: torch.nn.Module, tokenizer: Any = 
     if model_files and is_hf_model(inner):
         config = json.loads(inner.config.to_json_string(use_diff=True))
         config["architectures"] = [type(inner).__name__]  # what save_pretrained records
-        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (directory / HF_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         generation = getattr(inner, "generation_config", None)
         if generation is not None and inner.can_generate():
             generation.save_pretrained(str(directory))

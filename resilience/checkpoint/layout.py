@@ -1,17 +1,46 @@
-"""Names on disk: checkpoint directories, staging directories, pointers, the manifest.
+"""Every name on disk: checkpoint root, checkpoint directories, their files, staging and leftovers.
 
-::
+The writers and the readers (``resilience status``, ``verify``, ``consolidate``, the loader) take
+names from here only, so this tree is the whole layout::
 
-    checkpoint_dir/
-      LATEST -> epoch_1_step_120          relative symlink (LATEST.txt where symlinks fail)
-      epoch_1_step_120/
-        manifest.json                     written last: the directory is valid only with it
-        step_scheduler.json  config.yaml
-        model/shard-00001-model-00001-of-00001.safetensors
-        optim/.metadata  optim/__0_0.distcp ...  optim/skeleton.json  optim/lr_scheduler.json
-        rng/rank_00000.safetensors ...    one per global rank
-        dataloader/rank_00000.json ...    one per data-parallel rank
-      .staging_epoch_1_step_140/          a save in progress (removed at the next start)
+    checkpoint_dir/                       checkpoint.checkpoint_dir
+      LATEST -> epoch_1_step_32           LATEST: relative symlink (LATEST.txt where symlinks fail)
+      LOWEST_VAL -> epoch_0_step_20       LOWEST_VAL: the checkpoint with the lowest validation metric
+      training.jsonl  validation.jsonl    TRAINING_LOG, VALIDATION_LOG: rank 0's metrics
+      .starts.json                        STARTS_FILE: the progress guard's counts of starts
+      epoch_1_step_32/                    checkpoint_name(epoch, global_step)
+        manifest.json                     MANIFEST: written last; the directory is valid only with it
+        .bad                              BAD_MARKER: why it failed to load (it is skipped from then on)
+        step_scheduler.json               STEP_SCHEDULER
+        config.yaml                       CONFIG: the run's configuration
+        common.json  losses.json          COMMON (MindSpore's), LOSSES
+        model/                            MODEL_DIR
+          shard-00001-model-00001-of-00001.safetensors ...   model_shard_name() (MODEL_SHARD_GLOB): one per rank
+          shard_index.json                SHARD_INDEX (MODEL_SHARD_INDEX from the checkpoint directory)
+          consolidate.sh                  CONSOLIDATE_SH (MODEL_CONSOLIDATE_SH): writes consolidated/ later
+          hf_metadata/                    HF_METADATA (MODEL_HF_METADATA): config.json (HF_CONFIG),
+                                          generation_config.json, tokenizer files
+          consolidated/                   CONSOLIDATED (MODEL_CONSOLIDATED): the Hugging Face bundle
+            model-00001-of-0000N.safetensors ...   hf_file_name() (a one-file original: HF_SINGLE_FILE)
+            model.safetensors.index.json  HF_INDEX
+            config.json ...               copied from hf_metadata/
+            bundle_manifest.json          BUNDLE_MANIFEST: sizes + digests of a bundle built later
+          adapter_model.safetensors  adapter_config.json   ADAPTER_WEIGHTS, ADAPTER_CONFIG (PEFT)
+          .metadata  __0_0.distcp ...     DCP_METADATA, DCP_SUFFIX: model_save_format torch_save (DCP)
+        optim/                            OPTIM_DIR
+          .metadata  __0_0.distcp ...     DCP's files
+          skeleton.json  lr_scheduler.json   SKELETON, LR_SCHEDULER
+        rng/rank_00000.safetensors ...    RNG_DIR, rank_file(): one per global rank
+        dataloader/rank_00000.json ...    DATALOADER_DIR, rank_file(): one per data-parallel rank
+        extra/<name>.json  extra/<name>.safetensors   EXTRA_DIR
+      epoch_1_step_20.abandoned-20250501T120410Z/   ABANDONED_INFIX: another timeline's, moved aside
+      .staging_epoch_1_step_40/           STAGING_PREFIX: a save in progress (removed at the next start)
+      .trash_epoch_1_step_40/             TRASH_PREFIX: the checkpoint a re-save of its step replaces
+      .pruning_epoch_0_step_4/            PRUNING_PREFIX: a checkpoint retention is removing
+
+A pointer's text form is ``<name>`` + ``POINTER_SUFFIX`` (``LATEST.txt``); tensors are in
+``SAFETENSORS_SUFFIX`` files. Directory names (``model``, ``optim``, ``rng``, ...) double as the
+labels of a save's parts, which are spelled where the parts are built.
 """
 
 from __future__ import annotations
@@ -19,11 +48,60 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-MANIFEST = "manifest.json"
+# The checkpoint root.
 LATEST = "LATEST"
+LOWEST_VAL = "LOWEST_VAL"
+POINTER_SUFFIX = ".txt"  # a pointer's text form, where symlinks fail
+TRAINING_LOG = "training.jsonl"
+VALIDATION_LOG = "validation.jsonl"
+STARTS_FILE = ".starts.json"
 STAGING_PREFIX = ".staging_"
 TRASH_PREFIX = ".trash_"
+PRUNING_PREFIX = ".pruning_"
+ABANDONED_INFIX = ".abandoned-"
+
+# A checkpoint directory.
+MANIFEST = "manifest.json"
 BAD_MARKER = ".bad"
+STEP_SCHEDULER = "step_scheduler.json"
+CONFIG = "config.yaml"
+COMMON = "common.json"
+"""MindSpore Transformers' per-checkpoint training info (``CommonInfo``)."""
+LOSSES = "losses.json"
+"""NeMo AutoModel's per-checkpoint losses (``train_loss``, ``val_loss``), plus the training rows."""
+MODEL_DIR = "model"
+OPTIM_DIR = "optim"
+RNG_DIR = "rng"
+DATALOADER_DIR = "dataloader"
+EXTRA_DIR = "extra"
+SKELETON = f"{OPTIM_DIR}/skeleton.json"
+LR_SCHEDULER = f"{OPTIM_DIR}/lr_scheduler.json"
+
+# Inside model/ (and a Hugging Face directory).
+SHARD_INDEX = "shard_index.json"
+CONSOLIDATE_SH = "consolidate.sh"
+HF_METADATA = "hf_metadata"
+CONSOLIDATED = "consolidated"
+BUNDLE_MANIFEST = "bundle_manifest.json"
+"""Written last into a bundle made after its checkpoint was published (consolidate.sh,
+``resilience consolidate``): each file's size and digest, for ``resilience verify``. A bundle
+written with the checkpoint (``save_consolidated``) is in the checkpoint's own manifest instead."""
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE_FILE = "model.safetensors"
+HF_CONFIG = "config.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+DCP_METADATA = ".metadata"  # DCP's own index (a pickle) in model/ (torch_save) and optim/
+DCP_SUFFIX = ".distcp"
+SAFETENSORS_SUFFIX = ".safetensors"
+MODEL_SHARD_GLOB = "shard-*-model-*-of-*.safetensors"
+
+# The same, relative to the checkpoint directory.
+MODEL_SHARD_INDEX = f"{MODEL_DIR}/{SHARD_INDEX}"
+MODEL_CONSOLIDATE_SH = f"{MODEL_DIR}/{CONSOLIDATE_SH}"
+MODEL_HF_METADATA = f"{MODEL_DIR}/{HF_METADATA}"
+MODEL_CONSOLIDATED = f"{MODEL_DIR}/{CONSOLIDATED}"
+
 _NAME = re.compile(r"^epoch_(\d+)_step_(\d+)$")
 
 
@@ -54,6 +132,31 @@ def rank_file(kind: str, rank: int, suffix: str) -> str:
     return f"{kind}/rank_{rank:05d}{suffix}"
 
 
+def rng_rank_file(rank: int) -> str:
+    """``rng/rank_<R>.safetensors``: global rank R's RNG states."""
+    return rank_file(RNG_DIR, rank, SAFETENSORS_SUFFIX)
+
+
+def dataloader_rank_file(rank: int) -> str:
+    """``dataloader/rank_<R>.json``: data-parallel rank R's position in its data."""
+    return rank_file(DATALOADER_DIR, rank, ".json")
+
+
+def extra_files(name: str) -> tuple[str, str]:
+    """``(extra/<name>.json, extra/<name>.safetensors)``: registered state ``name``'s JSON and tensors."""
+    return f"{EXTRA_DIR}/{name}.json", f"{EXTRA_DIR}/{name}{SAFETENSORS_SUFFIX}"
+
+
 def model_shard_name(shard: int, num_shards: int, file_index: int = 1, num_files: int = 1) -> str:
     """NeMo AutoModel's shard name: ``shard-0000K-model-0000I-of-0000N.safetensors`` (1-based)."""
     return f"shard-{shard:05d}-model-{file_index:05d}-of-{num_files:05d}.safetensors"
+
+
+def hf_file_name(index: int, count: int) -> str:
+    """Hugging Face's sharded weight file name, ``model-0000I-of-0000N.safetensors`` (1-based)."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def pointer_text_name(name: str) -> str:
+    """The text form of pointer ``name`` (``LATEST.txt``), written where symlinks fail."""
+    return f"{name}{POINTER_SUFFIX}"

@@ -25,10 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.durable import fsync_dir
-from resilience.checkpoint.layout import parse_checkpoint_name
+from resilience.checkpoint.layout import ABANDONED_INFIX, parse_checkpoint_name
 from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
-
-ABANDONED_INFIX = ".abandoned-"
 
 
 def meta_of(directory: Path) -> dict[str, Any]:

@@ -14,8 +14,7 @@ from typing import Any
 
 from resilience.checkpoint import model_io, optim_io
 from resilience.checkpoint.extra_state import load_extra_state
-from resilience.checkpoint.layout import MANIFEST, rank_file
-from resilience.checkpoint.parts import STEP_SCHEDULER
+from resilience.checkpoint.layout import MANIFEST, STEP_SCHEDULER, dataloader_rank_file, rng_rank_file
 from resilience.checkpoint.training_state import TrainingState
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
@@ -82,14 +81,14 @@ def load_state(directory: Path, state: TrainingState, ctx: DistContext, config: 
         data_position = {"batches_in_epoch": step_state["batches_in_epoch"], "loader": None}
         rng_rank = rank % saved_world
     else:
-        data_file = directory / rank_file("dataloader", rank, ".json")
+        data_file = directory / dataloader_rank_file(rank)
         data_position = read_data_position(data_file) if data_file.exists() else None
         rng_rank = rank
     return Restored(
         directory=directory,
         step_scheduler=step_state,
         data_position=data_position,
-        rng_file=directory / rank_file("rng", rng_rank, ".safetensors"),
+        rng_file=directory / rng_rank_file(rng_rank),
         meta=meta,
     )
 

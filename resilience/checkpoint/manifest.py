@@ -7,6 +7,8 @@ trust a checkpoint only after :func:`validate` succeeds.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +57,11 @@ def validate(directory: Path, *, checksums: bool = True) -> dict[str, Any]:
     doc = read_manifest(directory)
     for rel, want in doc["files"].items():
         path = directory / rel
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise CheckpointInvalid(f"{path}: missing") from None
-        if not isinstance(want, dict) or size != want.get("size"):
-            raise CheckpointInvalid(f"{path}: {size} bytes, manifest says {want.get('size') if isinstance(want, dict) else want!r} (truncated?)")
+        problem = size_problem(path, want.get("size") if isinstance(want, dict) else want)
+        if problem is not None:
+            raise CheckpointInvalid(f"{path}: {problem}")
         if entry_digest(want) is None:
-            raise CheckpointInvalid(f"{directory / 'manifest.json'}: the entry of {rel} has no digest")
+            raise CheckpointInvalid(f"{directory / MANIFEST}: the entry of {rel} has no digest")
     if checksums:
         check_contents(directory, doc)
     return doc
@@ -74,11 +73,45 @@ def check_contents(directory: Path, doc: dict[str, Any]) -> None:
     Raises :class:`CheckpointInvalid` naming the first file whose bytes differ.
     """
     for rel, want in doc["files"].items():
-        algorithm, digest = entry_digest(want)
-        path = directory / rel
-        try:
-            actual = file_digest(path, algorithm)
-        except OSError as exc:
-            raise CheckpointInvalid(f"{path}: unreadable ({exc})") from exc
-        if actual != digest:
-            raise CheckpointInvalid(f"{path}: checksum mismatch (corrupted bytes)")
+        problem = digest_problem(directory / rel, want)
+        if problem is not None:
+            raise CheckpointInvalid(f"{directory / rel}: {problem}")
+
+
+# The checks of one manifest entry, shared by validate (first problem raises), the loader's
+# background check and ``resilience verify`` (every problem reported).
+
+
+def well_formed(rel: Any, want: Any) -> bool:
+    """True for an entry ``rel: want`` that names a relative path inside the checkpoint and has an
+    integer size and a known digest."""
+    return (
+        isinstance(rel, str) and bool(rel) and not os.path.isabs(rel) and ".." not in Path(rel).parts
+        and isinstance(want, dict) and isinstance(want.get("size"), int) and entry_digest(want) is not None
+    )
+
+
+def size_problem(path: Path, size: Any) -> str | None:
+    """Why the file at ``path`` is not ``size`` bytes (``missing``, ``unreadable (...)``,
+    ``N bytes, manifest says M (truncated?)``), or None when it is."""
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    return None if actual == size else f"{actual} bytes, manifest says {size} (truncated?)"
+
+
+def digest_problem(path: Path, want: dict[str, Any], advance: Callable[[int], object] | None = None) -> str | None:
+    """Why the bytes at ``path`` do not have entry ``want``'s digest (no digest in the entry,
+    ``unreadable (...)``, ``checksum mismatch (corrupted bytes)``), or None when they do.
+    ``advance(n)`` is called with the bytes read (a progress bar)."""
+    digest = entry_digest(want)
+    if digest is None:
+        return "its manifest entry has no digest"
+    try:
+        actual = file_digest(path, digest[0], advance)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    return None if actual == digest[1] else "checksum mismatch (corrupted bytes)"

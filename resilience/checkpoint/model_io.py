@@ -50,17 +50,24 @@ except ImportError:  # torch < 2.5
 
 from resilience.checkpoint import consolidate as consolidation
 from resilience.checkpoint import dcp_io, hf_export
+from resilience.checkpoint.balance import balance
 from resilience.checkpoint.durable import FileRecord
-from resilience.checkpoint.layout import model_shard_name
+from resilience.checkpoint.layout import (
+    ADAPTER_CONFIG,
+    CONSOLIDATE_SH,
+    DCP_METADATA,
+    MODEL_CONSOLIDATE_SH,
+    MODEL_CONSOLIDATED,
+    MODEL_DIR,
+    MODEL_HF_METADATA,
+    MODEL_SHARD_INDEX,
+    SHARD_INDEX,
+    model_shard_name,
+)
 from resilience.checkpoint.safetensors_file import read_safetensors, write_safetensors
 
 log = logging.getLogger("resilience.checkpoint")
 
-MODEL_DIR = "model"
-SHARD_INDEX = f"{MODEL_DIR}/{consolidation.SHARD_INDEX}"
-HF_METADATA_DIR = f"{MODEL_DIR}/{consolidation.HF_METADATA}"
-CONSOLIDATED_DIR = f"{MODEL_DIR}/{consolidation.CONSOLIDATED}"
-CONSOLIDATE_SH = f"{MODEL_DIR}/consolidate.sh"
 MAX_FILE_BYTES = 5 * 10**9
 SAVE_FORMATS = ("safetensors", "torch_save")
 _INDEX_FORMAT = "resilience.sharded_safetensors"
@@ -161,9 +168,9 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
         ValueError: missing or unexpected keys, or adapters for a model that is not a PEFT model.
     """
     model_dir = directory / MODEL_DIR
-    if (model_dir / hf_export.ADAPTER_CONFIG).is_file():
+    if (model_dir / ADAPTER_CONFIG).is_file():
         hf_export.load_adapter(model_dir, model)
-    elif (model_dir / ".metadata").is_file():
+    elif (model_dir / DCP_METADATA).is_file():
         state = get_model_state_dict(model)
         dcp_io.load_tensors(state, model_dir, group=group)
         set_model_state_dict(model, state)
@@ -175,7 +182,7 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
             tensors.update(read_safetensors(model_dir / shard, live))
         if set(tensors) != set(layout):
             differ = sorted(set(tensors) ^ set(layout))[:5]
-            raise ValueError(f"{model_dir}: the shards and {consolidation.SHARD_INDEX} disagree on {differ}")
+            raise ValueError(f"{model_dir}: the shards and {SHARD_INDEX} disagree on {differ}")
         _restore_aliases(model_dir, tensors, consolidation.read_aliases(model_dir), live)
         if set(tensors) != set(live) or any(t is not live[key] for key, t in tensors.items()):
             set_model_state_dict(model, tensors)  # some did not fit in place (or keys differ: its error)
@@ -190,7 +197,7 @@ def _restore_aliases(model_dir: Path, tensors: dict[str, torch.Tensor], aliases:
     separate = []
     for alias, canonical in aliases.items():
         if canonical not in tensors:
-            raise ValueError(f"{model_dir}: {consolidation.SHARD_INDEX} ties {alias} to {canonical}, which is not saved")
+            raise ValueError(f"{model_dir}: {SHARD_INDEX} ties {alias} to {canonical}, which is not saved")
         mine, theirs = live.get(alias), live.get(canonical)
         if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and _same_view(mine, theirs):
             tensors[alias] = mine  # tied here too: loaded in place with its canonical key
@@ -223,7 +230,7 @@ def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.
     originals = hf_export.original_tensors(model)
     nbytes = {key: t.numel() * t.element_size() for key, t in state.items()}
     file_of, num_files = _file_plan(list(nbytes.items()), originals, max_file_bytes)
-    owner = _rank_plan(nbytes, world_size)
+    owner = balance(nbytes, world_size)  # writer rank per key (ties in state-dict order)
     index = {
         "format": _INDEX_FORMAT,
         "version": 1,
@@ -255,25 +262,25 @@ def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.
         written.append(write_safetensors(staging / MODEL_DIR / name, {k: cpu(k) for k in keys}, f"{MODEL_DIR}/{name}", metadata))
     if rank != 0:
         return written
-    (staging / SHARD_INDEX).write_text(json.dumps(index, indent=1) + "\n")
-    (staging / CONSOLIDATE_SH).write_text(consolidate_script())
-    (staging / CONSOLIDATE_SH).chmod(0o755)
-    written += [SHARD_INDEX, CONSOLIDATE_SH]
+    (staging / MODEL_SHARD_INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    (staging / MODEL_CONSOLIDATE_SH).write_text(consolidate_script())
+    (staging / MODEL_CONSOLIDATE_SH).chmod(0o755)
+    written += [MODEL_SHARD_INDEX, MODEL_CONSOLIDATE_SH]
     sidecars = None
     if hf_export.is_hf_model(model) or tokenizer is not None:
-        sidecars = staging / HF_METADATA_DIR
-        written += [f"{HF_METADATA_DIR}/{rel}" for rel in hf_export.write_hf_metadata(sidecars, model, tokenizer)]
+        sidecars = staging / MODEL_HF_METADATA
+        written += [f"{MODEL_HF_METADATA}/{rel}" for rel in hf_export.write_hf_metadata(sidecars, model, tokenizer)]
     if consolidated:
         layout = consolidation.read_layout(staging / MODEL_DIR)
-        out = staging / CONSOLIDATED_DIR
-        written += [f"{CONSOLIDATED_DIR}/{rel}" for rel in consolidation.write_bundle(
+        out = staging / MODEL_CONSOLIDATED
+        written += [f"{MODEL_CONSOLIDATED}/{rel}" for rel in consolidation.write_bundle(
             out, layout, fetch=cpu, sidecar_dir=sidecars, aliases=aliases, bundle_omits=index["bundle_omits"])]
     return written
 
 
 def consolidate_script() -> str:
     """The text of ``model/consolidate.sh`` (package data ``resilience/checkpoint/consolidate.sh``)."""
-    return importlib.resources.files("resilience.checkpoint").joinpath("consolidate.sh").read_text()
+    return importlib.resources.files("resilience.checkpoint").joinpath(CONSOLIDATE_SH).read_text()
 
 
 def _cpu_copies(state: dict[str, torch.Tensor]):
@@ -316,14 +323,3 @@ def _file_plan(sizes: list[tuple[str, int]], originals: dict[str, dict[str, str]
     return {key: used[index] for key, index in file_of.items()}, max(len(used), 1)
 
 
-def _rank_plan(nbytes: dict[str, int], world_size: int) -> dict[str, int]:
-    """Writer rank per key: largest tensors first, each to the least loaded rank (ties: lowest
-    rank, then state-dict order), so every rank computes the same balanced split."""
-    load = [0] * world_size
-    owner = {}
-    keys = list(nbytes)
-    for i in sorted(range(len(keys)), key=lambda i: (-nbytes[keys[i]], i)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owner[keys[i]] = rank
-        load[rank] += nbytes[keys[i]]
-    return owner

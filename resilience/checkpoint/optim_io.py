@@ -17,10 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from resilience.checkpoint import dcp_io
 from resilience.checkpoint.dcp_io import UnsafeCheckpointError  # noqa: F401  (re-exported)
 from resilience.checkpoint.durable import FileRecord
-
-OPTIM_DIR = "optim"
-SKELETON = f"{OPTIM_DIR}/skeleton.json"
-LR_SCHEDULER = f"{OPTIM_DIR}/lr_scheduler.json"
+from resilience.checkpoint.layout import LR_SCHEDULER, OPTIM_DIR, SKELETON
 
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

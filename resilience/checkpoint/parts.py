@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from resilience.checkpoint import hf_export, model_io, optim_io
 from resilience.checkpoint.best import json_safe
 from resilience.checkpoint.extra_state import save_extra_state
-from resilience.checkpoint.layout import TRASH_PREFIX, rank_file
+from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, RNG_DIR, STEP_SCHEDULER, TRASH_PREFIX, dataloader_rank_file, rng_rank_file
 from resilience.checkpoint.staging import StagingBuffers
 from resilience.checkpoint.training_state import TrainingState
 from resilience.checkpoint.writer import Part
@@ -29,13 +29,6 @@ from resilience.distributed import DistContext
 from resilience.state.data_position import data_position_json, loader_length
 from resilience.state.rng import capture_rng_state, write_rng_state
 from resilience.state.step_scheduler import StepScheduler
-
-STEP_SCHEDULER = "step_scheduler.json"
-CONFIG = "config.yaml"
-COMMON = "common.json"
-"""MindSpore Transformers' per-checkpoint training info (``CommonInfo``)."""
-LOSSES = "losses.json"
-"""NeMo AutoModel's per-checkpoint losses (``train_loss``, ``val_loss``), plus the training rows."""
 
 
 def checkpoint_parts(
@@ -71,7 +64,7 @@ def checkpoint_parts(
     parts.append(_model_part(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers))  # every rank writes its shard
     if rank == 0:
         if state.lr_scheduler is not None:
-            parts.append(_json_part("lr_scheduler", optim_io.LR_SCHEDULER, optim_io.lr_scheduler_json(state.lr_scheduler)))
+            parts.append(_json_part("lr_scheduler", LR_SCHEDULER, optim_io.lr_scheduler_json(state.lr_scheduler)))
         parts.append(_json_part("step_scheduler", STEP_SCHEDULER, json.dumps(scheduler.state_dict())))
         parts.append(_json_part("config", CONFIG, yaml.safe_dump(run_config, sort_keys=False)))
         for key, obj in state.extra.items():
@@ -83,7 +76,7 @@ def checkpoint_parts(
     parts.append(Part("rng", lambda d: _write_rng(d, rank, rng)))
     if state.dataloader is not None:
         position = data_position_json(state.dataloader, scheduler.batches_in_epoch)
-        parts.append(_json_part("dataloader", rank_file("dataloader", rank, ".json"), position))
+        parts.append(_json_part("dataloader", dataloader_rank_file(rank), position))
     if buffers is not None:
         buffers.synchronize()
     return parts
@@ -174,8 +167,8 @@ def _write_text(directory: Path, rel: str, text: str) -> list[str]:
 
 
 def _write_rng(directory: Path, rank: int, captured: Any) -> list[str]:
-    rel = rank_file("rng", rank, ".safetensors")
-    (directory / "rng").mkdir(exist_ok=True)
+    rel = rng_rank_file(rank)
+    (directory / RNG_DIR).mkdir(exist_ok=True)
     write_rng_state(directory / rel, captured)
     return [rel]
 

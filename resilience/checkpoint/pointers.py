@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from resilience.checkpoint.durable import fsync_dir, write_bytes
+from resilience.checkpoint.layout import pointer_text_name
 
 
 class PointerError(ValueError):
@@ -30,14 +31,14 @@ def write_pointer(root: Path, name: str, target: Path) -> None:
         os.symlink(rel, tmp)
     except OSError:
         # Filesystems without symlinks (some object-store mounts): a text pointer instead.
-        txt_tmp = root / f".{name}.txt.tmp.{os.getpid()}"
+        txt_tmp = root / f".{pointer_text_name(name)}.tmp.{os.getpid()}"
         write_bytes(txt_tmp, (rel + "\n").encode())
-        os.replace(txt_tmp, root / f"{name}.txt")
+        os.replace(txt_tmp, root / pointer_text_name(name))
         if (root / name).is_symlink():
             (root / name).unlink()  # readers prefer the symlink: a stale one would win over the new text
     else:
         os.replace(tmp, root / name)
-        stale_txt = root / f"{name}.txt"
+        stale_txt = root / pointer_text_name(name)
         if stale_txt.exists():
             stale_txt.unlink()  # one pointer form at a time, so readers cannot disagree
     fsync_dir(root)
@@ -52,7 +53,7 @@ def read_pointer(root: Path, name: str) -> Path | None:
         PointerError: the pointer leads outside ``root`` (absolute, ``..``, or nested).
     """
     link = root / name
-    txt = root / f"{name}.txt"
+    txt = root / pointer_text_name(name)
     if link.is_symlink():
         rel = os.readlink(link)
     elif txt.is_file():

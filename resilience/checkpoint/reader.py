@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from resilience.checkpoint.durable import entry_digest, file_digest
+from resilience.checkpoint.balance import balance
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, list_checkpoints, parse_checkpoint_name
 from resilience.checkpoint.lineage import lineage, meta_of
-from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest, validate
+from resilience.checkpoint.manifest import CheckpointInvalid, digest_problem, read_manifest, validate
 from resilience.checkpoint.pointers import PointerError, read_pointer
 from resilience.distributed import DistContext
 
@@ -181,14 +181,8 @@ def load_verified(ctx: DistContext, directory: Path, load: Callable[[], T]) -> T
 
 def _share(files: dict[str, Any], rank: int, world_size: int) -> list[str]:
     """This rank's files to digest: largest first, each to the least loaded rank (all ranks agree)."""
-    load = [0] * world_size
-    mine = []
-    for rel in sorted(files, key=lambda rel: (-int(files[rel].get("size", 0)), rel)):
-        owner = min(range(world_size), key=lambda r: (load[r], r))
-        load[owner] += int(files[rel].get("size", 0))
-        if owner == rank:
-            mine.append(rel)
-    return sorted(mine)  # path order: roughly the order the loader reads them
+    owner = balance({rel: int(files[rel].get("size", 0)) for rel in sorted(files)}, world_size)
+    return sorted(rel for rel, r in owner.items() if r == rank)  # path order: roughly the order the loader reads them
 
 
 class _ContentCheck(threading.Thread):
@@ -204,14 +198,7 @@ class _ContentCheck(threading.Thread):
     def run(self) -> None:
         """Digest each file in turn; stop at the first problem, recorded in ``problem``."""
         for rel in self.rels:
-            path = self.directory / rel
-            digest = entry_digest(self.files[rel])
-            try:
-                if digest is None:
-                    self.problem = f"{path}: its manifest entry has no digest"
-                elif file_digest(path, digest[0]) != digest[1]:
-                    self.problem = f"{path}: checksum mismatch (corrupted bytes)"
-            except OSError as exc:
-                self.problem = f"{path}: unreadable ({exc})"
-            if self.problem:
+            problem = digest_problem(self.directory / rel, self.files[rel])
+            if problem is not None:
+                self.problem = f"{self.directory / rel}: {problem}"
                 return

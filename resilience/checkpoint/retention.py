@@ -29,13 +29,12 @@ import shutil
 from pathlib import Path
 
 from resilience.checkpoint.durable import fsync_dir
-from resilience.checkpoint.layout import list_checkpoints, parse_checkpoint_name
+from resilience.checkpoint.layout import POINTER_SUFFIX, PRUNING_PREFIX, list_checkpoints, parse_checkpoint_name
 from resilience.checkpoint.lineage import lineage
 from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
 
 log = logging.getLogger("resilience.checkpoint")
 
-PRUNING_PREFIX = ".pruning_"
 _POINTER_READ_BYTES = 4096  # a pointer file holds one name; a large .txt is not a pointer
 
 
@@ -53,7 +52,7 @@ def protected_targets(root: Path) -> set[Path]:
         try:
             if child.is_symlink():
                 targets.add(Path(os.path.realpath(child)))
-            elif child.suffix == ".txt" and child.is_file():
+            elif child.suffix == POINTER_SUFFIX and child.is_file():
                 with open(child, "rb") as fh:
                     text = fh.read(_POINTER_READ_BYTES).decode("utf-8", "replace")
                 first = text.strip().splitlines()[0].strip() if text.strip() else ""

@@ -9,7 +9,7 @@ come first, so every tensor starts at an offset aligned to its element size (as
 speed, measured in bench/README.md: ``save_file`` hides its bytes, so digesting a shard meant
 reading it back; ``load_file`` maps the file and copies every tensor once more into the model,
 at about half the disk's cold read rate. Other readers (``resilience consolidate``, tests)
-use the ``safetensors`` library.
+use the ``safetensors`` library. The dtype codes and the header reader here serve them all.
 """
 
 from __future__ import annotations
@@ -18,19 +18,25 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from resilience.checkpoint.durable import DurableFile, FileRecord
 
-_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64",
+# safetensors header dtype codes -> torch dtype names (the names used in our JSON files).
+ST_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+    "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2", "C64": "complex64",
 }
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        _DTYPES[getattr(torch, _name)] = _code
+# Codes only ever named (original dtypes of a Hugging Face checkpoint), never in our own files:
+# F4 packs two values per byte, so its bytes are not shape x element size.
+_NAMED_ONLY = {"F8_E8M0", "F4"}
+_DTYPES = {  # torch dtype -> safetensors code, for writing (the dtypes this torch has)
+    getattr(torch, name): code for code, name in ST_DTYPES.items() if code not in _NAMED_ONLY and hasattr(torch, name)
+}
 _CODES = {code: dtype for dtype, code in _DTYPES.items()}  # safetensors code -> dtype, for reading
 
 
@@ -72,6 +78,25 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], relpath: str
 
 
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (``__metadata__`` included); reads no tensor data.
+
+    Raises:
+        ValueError: not a safetensors file (bad length prefix or header).
+    """
+    with open(path, "rb") as fh:
+        prefix = fh.read(8)
+        if len(prefix) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > _MAX_HEADER:
+            raise ValueError(f"{path}: not a safetensors file (header of {length} bytes)")
+        try:
+            return json.loads(fh.read(length))
+        except ValueError as exc:
+            raise ValueError(f"{path}: not a safetensors file ({exc})") from exc
 
 
 def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

@@ -71,12 +71,9 @@ def _phase(name: str) -> None:
         fault_hook(name)
 
 
-def _raise_if_any(ctx: DistContext, error: str | None, what: str, name: str) -> None:
-    errors = ctx.all_gather_object(error)
-    failed = {rank: err for rank, err in enumerate(errors) if err}
-    if failed:
-        detail = "; ".join(f"rank {rank}: {err}" for rank, err in failed.items())
-        raise CheckpointSaveError(f"saving checkpoint {name} failed while {what} ({detail}); LATEST was not moved")
+def _failed(name: str, what: str) -> Callable[[str], CheckpointSaveError]:
+    """The error every rank raises when a step of saving ``name`` failed somewhere."""
+    return lambda detail: CheckpointSaveError(f"saving checkpoint {name} failed while {what} ({detail}); {LATEST} was not moved")
 
 
 def _describe(exc: BaseException) -> str:
@@ -119,24 +116,23 @@ def save_checkpoint(
             staging.mkdir(parents=True)
         except _FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
             error = _describe(exc)
-    _raise_if_any(ctx, error, "creating the staging directory", name)
+    ctx.gather_or_raise(error, fail=_failed(name, "creating the staging directory"))
 
     # 2. every rank writes its parts, fsyncs and digests them
     records, error = _write_parts(staging, parts)
-    gathered = ctx.all_gather_object((records, error))
-    failed = {rank: err for rank, (_, err) in enumerate(gathered) if err}
-    if failed:
+    try:
+        gathered = ctx.gather_or_raise(error, records, fail=_failed(name, "writing files"))
+    except CheckpointSaveError:
         if ctx.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        detail = "; ".join(f"rank {rank}: {err}" for rank, err in failed.items())
-        raise CheckpointSaveError(f"saving checkpoint {name} failed while writing files ({detail}); LATEST was not moved")
+        raise
 
     # 3. publish (rank 0): manifest last, fsync directories, rename, fsync root, then LATEST
     error = None
     if ctx.rank == 0:
         try:
             _phase("manifest")
-            all_records = [rec for recs, _ in gathered for rec in recs]
+            all_records = [rec for recs in gathered for rec in recs]
             write_manifest(staging, all_records, meta)
             for dirpath, _, _ in os.walk(staging):
                 fsync_dir(Path(dirpath))
@@ -154,7 +150,7 @@ def save_checkpoint(
                 after_publish(final)
             except _FAILURES as exc:  # noqa: BLE001
                 error = f"after publishing (the checkpoint itself is published): {_describe(exc)}"
-    _raise_if_any(ctx, error, "publishing", name)
+    ctx.gather_or_raise(error, fail=_failed(name, "publishing"))
     return final
 
 

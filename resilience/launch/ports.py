@@ -5,12 +5,15 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 
+from resilience.env_names import SLURM
+
 #: Derived ports lie in ``[PORT_BASE, PORT_BASE + PORT_SPAN)``. Part of it overlaps Linux's
 #: default ephemeral range (32768-60999), where an outgoing connection may hold the port: the
 #: rendezvous then fails to bind, the run fails, and the next restart gets the next port.
 PORT_BASE = 20000
 PORT_SPAN = 40000
 _PORTS_PER_JOB = 10
+_JOB_ID, _RESTART_COUNT = SLURM["job_id"][0], SLURM["restart_count"][0]
 
 
 def slurm_master_port(job_id: str | int, restart_count: str | int | None = None) -> int:
@@ -27,9 +30,9 @@ def slurm_master_port(job_id: str | int, restart_count: str | int | None = None)
     Raises ``ValueError`` naming ``SLURM_JOB_ID``/``SLURM_RESTART_COUNT`` when either is not a
     non-negative integer.
     """
-    job = _non_negative_int("SLURM_JOB_ID", job_id)
+    job = _non_negative_int(_JOB_ID, job_id)
     restart = 0 if restart_count in (None, "") else _non_negative_int(
-        "SLURM_RESTART_COUNT", restart_count
+        _RESTART_COUNT, restart_count
     )
     blocks = PORT_SPAN // _PORTS_PER_JOB
     return PORT_BASE + (job % blocks) * _PORTS_PER_JOB + restart % _PORTS_PER_JOB
@@ -68,8 +71,8 @@ def resolve_master_port(
         ):
             raise ValueError(f"master_port must be an int in 1..65535, got {master_port!r}")
         return master_port
-    if env.get("SLURM_JOB_ID"):
-        return slurm_master_port(env["SLURM_JOB_ID"], env.get("SLURM_RESTART_COUNT"))
+    if env.get(_JOB_ID):
+        return slurm_master_port(env[_JOB_ID], env.get(_RESTART_COUNT))
     if nnodes > 1:
         raise ValueError(
             "master_port is required when nnodes > 1 outside Slurm (no SLURM_JOB_ID to derive "

@@ -7,12 +7,11 @@ import os
 import sys
 from collections.abc import Sequence
 
+from resilience.env_names import PID_FILE_ENV
 from resilience.exit_codes import ExitCode
 from resilience.launch.forwarding import FORWARDED_SIGNALS, RecordedSignals, forward
 from resilience.launch.rank_group import POLL_INTERVAL_S
 from resilience.launch.start import launch
-
-PID_FILE_ENV = "RESILIENCE_PID_FILE"
 
 
 def _stderr_log(message: str) -> None:

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 
-from resilience.handshake import READY_DIR_ENV, STOP_FILE_ENV
+from resilience.env_names import LAUNCHER_PID_ENV, READY_DIR_ENV, STOP_FILE_ENV, TORCH
 from resilience.launch.ports import resolve_master_port
 from resilience.launch.rank_group import Log, RankGroup
 from resilience.launch.ready_dirs import make_ready_dir
@@ -102,16 +102,16 @@ def launch(
     try:
         for local, rank in enumerate(ranks):
             rank_env = dict(base)
-            rank_env.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(local),
-                WORLD_SIZE=str(nnodes * nproc_per_node),
-                LOCAL_WORLD_SIZE=str(nproc_per_node),
-                GROUP_RANK=str(node_rank),
-                MASTER_ADDR=master_addr,
-                MASTER_PORT=str(port),
-                RESILIENCE_LAUNCHER_PID=str(os.getpid()),
-            )
+            rank_env.update({
+                TORCH["rank"]: str(rank),
+                TORCH["local_rank"]: str(local),
+                TORCH["world_size"]: str(nnodes * nproc_per_node),
+                TORCH["local_world_size"]: str(nproc_per_node),
+                TORCH["group_rank"]: str(node_rank),
+                TORCH["master_addr"]: master_addr,
+                TORCH["master_port"]: str(port),
+                LAUNCHER_PID_ENV: str(os.getpid()),
+            })
             rank_env[READY_DIR_ENV] = ready_dir
             rank_env[STOP_FILE_ENV] = stop_file
             procs.append(subprocess.Popen(list(cmd), env=rank_env))

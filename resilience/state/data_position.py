@@ -19,32 +19,20 @@ from typing import Any
 
 import torch
 
-_TENSOR = "__tensor__"
+from resilience.state import tagged_json
+
 # loader -> the torch RNG state just before its current epoch's iterator was created
 _EPOCH_RNG: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 def _encode(obj: Any) -> Any:
-    """JSON-able form of a loader state: tensors (e.g. a shuffling sampler's generator state)
-    become ``{"__tensor__": {"dtype", "shape", "data"}}``; nothing is pickled."""
-    if isinstance(obj, torch.Tensor):
-        return {_TENSOR: {"dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape), "data": obj.flatten().tolist()}}
-    if isinstance(obj, dict):
-        return {key: _encode(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_encode(value) for value in obj]
-    return obj
+    """JSON-able form of a loader state (:mod:`resilience.state.tagged_json`): tensors (e.g. a
+    shuffling sampler's generator state) inline, as ``{"__tensor__": {"dtype", "shape", "data"}}``."""
+    return tagged_json.encode(obj, tagged_json.tensor_to_json, "dataloader.state_dict()")
 
 
 def _decode(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        if set(obj) == {_TENSOR}:
-            spec = obj[_TENSOR]
-            return torch.tensor(spec["data"], dtype=getattr(torch, spec["dtype"])).reshape(spec["shape"])
-        return {key: _decode(value) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [_decode(value) for value in obj]
-    return obj
+    return tagged_json.decode(obj, tagged_json.tensor_from_json)
 
 
 def is_stateful(loader: Any) -> bool:
@@ -75,10 +63,10 @@ def data_position_json(loader: Any, batches_in_epoch: int) -> str:
     Raises:
         TypeError: the loader's state holds something JSON cannot represent.
     """
-    state: dict[str, Any] = {"batches_in_epoch": batches_in_epoch, "loader": _encode(loader.state_dict()) if is_stateful(loader) else None}
-    if not is_stateful(loader) and _epoch_rng(loader) is not None:
-        state["epoch_rng"] = _encode(_epoch_rng(loader))
     try:
+        state: dict[str, Any] = {"batches_in_epoch": batches_in_epoch, "loader": _encode(loader.state_dict()) if is_stateful(loader) else None}
+        if not is_stateful(loader) and _epoch_rng(loader) is not None:
+            state["epoch_rng"] = _encode(_epoch_rng(loader))
         return json.dumps(state)
     except TypeError as exc:
         raise TypeError(f"dataloader.state_dict() must be JSON-serialisable to be checkpointed: {exc}") from exc

@@ -1,0 +1,86 @@
+"""The one JSON codec of saved state: what ``json`` cannot say exactly becomes a one-key tagged object.
+
+=====================================  ===========================================================
+``{"__tensor__": ref}``                a tensor; ``ref`` is what the caller's ``tensor`` function
+                                       returned (a key into a safetensors file, or the inline form
+                                       of :func:`tensor_to_json`)
+``{"__tuple__": [...]}``               a tuple
+``{"__items__": [[key, value], ...]}`` a dict with a key that is not a string (or whose one key is
+                                       a tag)
+``{"__float__": "nan"}``               a non-finite float (strict JSON has no NaN/Inf)
+=====================================  ===========================================================
+
+Anything else (``None``, booleans, numbers, strings, lists, string-keyed dicts) is itself, and
+nothing is pickled. Used by registered extra state (``extra/<name>.json``, tensors in a
+safetensors file beside it) and by the data position (``dataloader/rank_<R>.json``, tensors inline).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+TENSOR = "__tensor__"
+TUPLE = "__tuple__"
+ITEMS = "__items__"
+FLOAT = "__float__"
+_TAGS = (TENSOR, TUPLE, ITEMS, FLOAT)
+
+
+def encode(obj: Any, tensor: Callable[[torch.Tensor], Any], where: str) -> Any:
+    """``obj`` as JSON-able data; each tensor becomes ``{"__tensor__": tensor(t)}``.
+
+    Raises:
+        TypeError: a value that is not a tensor, number, string, bool, None or container of these
+            (the message names where it is: ``where`` and the path below it, e.g. ``extra.ema.shadow[2]``).
+    """
+    if isinstance(obj, torch.Tensor):
+        return {TENSOR: tensor(obj)}
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {FLOAT: repr(obj)}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, tuple):
+        return {TUPLE: [encode(v, tensor, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode(v, tensor, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _TAGS):
+            return {k: encode(v, tensor, f"{where}.{k}") for k, v in obj.items()}
+        return {ITEMS: [[encode(k, tensor, where), encode(v, tensor, f"{where}[{k!r}]")] for k, v in obj.items()]}
+    raise TypeError(
+        f"{where}: {type(obj).__name__} cannot be checkpointed; a state_dict() may hold tensors, numbers, "
+        "strings, booleans, None, and lists/tuples/dicts of these"
+    )
+
+
+def decode(obj: Any, tensor: Callable[[Any], torch.Tensor]) -> Any:
+    """The value :func:`encode` encoded; ``tensor(ref)`` gives back each tensor."""
+    if isinstance(obj, list):
+        return [decode(v, tensor) for v in obj]
+    if isinstance(obj, dict):
+        if len(obj) == 1:
+            (tag, value), = obj.items()
+            if tag == TENSOR:
+                return tensor(value)
+            if tag == TUPLE:
+                return tuple(decode(v, tensor) for v in value)
+            if tag == ITEMS:
+                return {decode(k, tensor): decode(v, tensor) for k, v in value}
+            if tag == FLOAT:
+                return float(value)
+        return {k: decode(v, tensor) for k, v in obj.items()}
+    return obj
+
+
+def tensor_to_json(t: torch.Tensor) -> dict[str, Any]:
+    """A small tensor inline: ``{"dtype", "shape", "data"}`` (data as a flat list)."""
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": t.flatten().tolist()}
+
+
+def tensor_from_json(spec: dict[str, Any]) -> torch.Tensor:
+    """The tensor :func:`tensor_to_json` wrote."""
+    return torch.tensor(spec["data"], dtype=getattr(torch, spec["dtype"])).reshape(spec["shape"])
