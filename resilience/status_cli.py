@@ -1,6 +1,6 @@
 """``resilience status DIR``: a read-only table of the checkpoints under a checkpoint root.
 
-It tabulates every checkpoint (published, incomplete, corrupt, marked bad), the pointers
+It tabulates every checkpoint (published, incomplete, corrupt, marked bad, abandoned), the pointers
 (``LATEST``, ``LOWEST_VAL``, any other top-level symlink or ``NAME.txt`` pointer), and which
 checkpoint a resume would pick and why. It never writes: it calls
 :func:`~resilience.checkpoint.manifest.validate` itself instead of the reader's ``_choose``, which
@@ -180,7 +180,14 @@ def _read_pointers(root: Path) -> dict[str, dict[str, Any]]:
 
 def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
     """One entry per checkpoint-like directory under ``root``, newest step first."""
-    from resilience.checkpoint.layout import BAD_MARKER, STAGING_PREFIX, TRASH_PREFIX, list_checkpoints, parse_checkpoint_name
+    from resilience.checkpoint.layout import (
+        ABANDONED_INFIX,
+        BAD_MARKER,
+        STAGING_PREFIX,
+        TRASH_PREFIX,
+        list_checkpoints,
+        parse_checkpoint_name,
+    )
 
     found: list[tuple[str, Path]] = [("checkpoint", path) for path in list_checkpoints(root)]
     for child in root.iterdir():
@@ -189,10 +196,12 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
                 found.append(("staging", child))
             elif child.name.startswith(TRASH_PREFIX):
                 found.append(("trash", child))
+            elif ABANDONED_INFIX in child.name and parse_checkpoint_name(child.name.split(ABANDONED_INFIX)[0]):
+                found.append(("abandoned", child))
     entries = []
     for kind, path in found:
-        prefix = {"checkpoint": "", "staging": STAGING_PREFIX, "trash": TRASH_PREFIX}[kind]
-        parsed = parse_checkpoint_name(path.name[len(prefix):])
+        prefix = {"checkpoint": "", "staging": STAGING_PREFIX, "trash": TRASH_PREFIX, "abandoned": ""}[kind]
+        parsed = parse_checkpoint_name(path.name[len(prefix):].split(ABANDONED_INFIX)[0])
         entry: dict[str, Any] = {
             "name": path.name,
             "kind": kind,
@@ -213,6 +222,10 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
             state, problem, meta = "incomplete", "a save in progress or interrupted (removed at the next start)", {}
         elif kind == "trash":
             state, problem, meta = "incomplete", "set aside while being replaced or deleted (restored or removed at the next start)", {}
+        elif kind == "abandoned":
+            _, problem, meta = _check(path, deep)
+            state = "abandoned"
+            problem = problem or "another timeline's checkpoint, moved aside after a rollback (never resumed or pruned; delete it when not needed)"
         else:
             state, problem, meta = _check(path, deep)
             if (path / BAD_MARKER).exists():
@@ -225,7 +238,7 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
         for key in ("reason", "world_size", "run_id", "val_metric"):
             entry[key] = meta.get(key)
         entries.append(entry)
-    kinds = {"checkpoint": 0, "trash": 1, "staging": 2}
+    kinds = {"checkpoint": 0, "abandoned": 1, "trash": 2, "staging": 3}
     entries.sort(key=lambda e: (e["global_step"] is None, -(e["global_step"] or 0), -(e["epoch"] or 0), kinds[e["kind"]], e["name"]))
     return entries
 

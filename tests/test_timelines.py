@@ -19,6 +19,7 @@ from resilience import ExitCode, resilient_loop
 from resilience.checkpoint.layout import LATEST
 from resilience.checkpoint.manifest import validate
 from resilience.checkpoint.pointers import write_pointer
+from resilience.status_cli import inspect_root
 from sample_runs import run, steps
 
 EPOCHS = "step_scheduler.num_epochs=3"
@@ -65,6 +66,8 @@ def test_after_rolling_latest_back_the_new_timeline_keeps_its_checkpoints_and_a_
     assert validate(ckpt / "epoch_2_step_30")["meta"]["checkpoint_id"] == abandoned["epoch_2_step_30"]
     assert f"moved it aside to {aside[0]}" in err  # the replaced checkpoint is named
     assert validate(ckpt / aside[0])["meta"]["checkpoint_id"] == abandoned["epoch_1_step_20"]  # kept aside, intact
+    listed = {e["name"]: e for e in inspect_root(ckpt)["checkpoints"]}  # resilience status shows what was set aside
+    assert listed[aside[0]]["state"] == "abandoned" and listed[aside[0]]["global_step"] == 20
     new_20 = validate(ckpt / "epoch_1_step_20")["meta"]
     assert new_20["parent"] == {"name": "epoch_0_step_10", "checkpoint_id": abandoned["epoch_0_step_10"]}
     assert validate(ckpt / "epoch_2_step_25")["meta"]["parent"]["checkpoint_id"] == new_20["checkpoint_id"]
