@@ -14,7 +14,7 @@ from resilience.lazy import lazy_getattr
 _LAZY = {
     "resilient_loop": "resilience.loop",
     "ResilientLoop": "resilience.loop",
-    "Step": "resilience.loop",
+    "Step": "resilience.step",
     "load_config": "resilience.config",
     "ResilienceConfig": "resilience.config",
     "StepSchedulerConfig": "resilience.config",

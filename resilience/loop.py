@@ -16,11 +16,9 @@ loop ends with ``ExitCode.PREEMPTED``.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import logging
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +36,7 @@ from resilience.deadline import Deadline
 from resilience.distributed import DistContext
 from resilience.exit_codes import ExitCode
 from resilience.handshake import mark_ready_and_check_stop
+from resilience.metrics_log import truncate_logs
 from resilience.signals import SignalRecorder
 from resilience.slurm import run_id_from_env, signal_reach_warning
 from resilience.state.accumulation import micro_batches
@@ -45,6 +44,7 @@ from resilience.state.batch_size import BatchSizeChangeRefused, continue_with_ba
 from resilience.state.data_position import epoch_iterator, loader_length, set_epoch
 from resilience.state.step_scheduler import StepScheduler
 from resilience.state.worker_signals import shield_dataloader_workers
+from resilience.step import Step
 from resilience.teardown import release_at_exit
 from resilience.timing import RunTimer, auto_cadence
 
@@ -52,30 +52,6 @@ log = logging.getLogger("resilience")
 
 STOP_PREEMPTION = 1  # reason codes carried by the agreement collective (combined with MAX)
 STOP_DEADLINE = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """One training step handed to the user's loop body.
-
-    ``global_step`` is the 1-based number of this optimizer step over the whole run;
-    ``epoch`` is 0-based; ``batch_index`` is the 0-based index of ``batch`` within the epoch.
-    """
-
-    global_step: int
-    epoch: int
-    batch_index: int
-    batch: Any
-    is_val_step: bool = False
-    """True when ``step_scheduler.val_every_steps`` divides ``global_step`` (NeMo AutoModel's name):
-    validate in this step's body and ``log_validation`` the result (on every micro-batch of that
-    optimizer step: validate where ``is_optimizer_step`` is also True)."""
-    micro_step: int = 0
-    """0-based index of ``batch`` within its optimizer step (``step_scheduler.gradient_accumulation_steps``)."""
-    is_optimizer_step: bool = True
-    """True on the last micro-batch of an optimizer step: call ``optimizer.step()`` (and the LR
-    scheduler's) in this body; on the others only accumulate gradients (under DDP, inside
-    ``model.no_sync()``). Always True without gradient accumulation."""
 
 
 class ResilientLoop:
@@ -338,11 +314,11 @@ class ResilientLoop:
         restored = self.checkpointer.restore(self.state)
         if restored is None:
             if self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
-                self._truncate_log(0)  # rows of a run that died before its first checkpoint: redone now
+                self._truncate_logs(0)  # rows of a run that died before its first checkpoint: redone now
             return None
         directory = self.resumed_from = restored.directory
         if restored.weights_only:  # no_load_optim: weights from load_path/restore_from, all else fresh
-            self._truncate_log(0)
+            self._truncate_logs(0)
             log.info("rank %d: loaded the weights of %s (no_load_optim); training starts at step 0", self.ctx.rank, directory)
             return None
         restored.step_scheduler, restored.data_position = continue_with_batch_size(
@@ -353,9 +329,13 @@ class ResilientLoop:
         self.scheduler.load_state_dict(restored.step_scheduler)
         if self.checkpointer.run_id is None and self.checkpointer.resume_source != "load_path":
             self.checkpointer.run_id = restored.meta.get("run_id")  # one run id across restarts
-        self._truncate_log(self.scheduler.global_step)
+        self._truncate_logs(self.scheduler.global_step)
         log.info("rank %d: resumed from %s (global step %d)", self.ctx.rank, directory.name, self.scheduler.global_step)
         return restored
+
+    def _truncate_logs(self, global_step: int) -> None:
+        if self.ctx.rank == 0:
+            truncate_logs(self.checkpointer.root, global_step)
 
     def _save(self, reason: str) -> None:
         if self.checkpointer.run_id is None:
@@ -365,17 +345,6 @@ class ResilientLoop:
         self.checkpointer.save(self.state, self.scheduler, reason=reason)
         self.timer.record_save(self.timer.clock() - started)
         self._deadline.warn_lead_time(self.timer.as_dict(), self._cadence())
-
-    def _truncate_log(self, global_step: int) -> None:
-        """Drop log rows of steps after the resumed one (they were redone after a crash)."""
-        for name in (TRAINING_LOG, VALIDATION_LOG):
-            path = self.checkpointer.root / name
-            if self.ctx.rank != 0 or not path.exists():
-                continue
-            rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("global_step", 0) <= global_step]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(r + "\n" for r in rows))
-            os.replace(tmp, path)
 
 
 def resilient_loop(

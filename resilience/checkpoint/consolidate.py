@@ -12,7 +12,7 @@ left out and ``from_pretrained`` ties it again from ``config.json``. Every other
 by hand that the config does not declare, any tie of a non-Hugging Face model) is written as a
 full copy of its canonical tensor under its own key, since nothing would fill it in on loading.
 ``shard_index.json``'s ``bundle_omits`` (recorded at save time, when the model is at hand) says
-which aliases are left out (see :func:`read_bundle_omits`); the bundle index's
+which aliases are left out (see :func:`~resilience.checkpoint.sharded_model.read_bundle_omits`); the bundle index's
 ``metadata.tied_weights`` records every ``{alias: canonical}`` for any other reader.
       config.json  generation_config.json    copied from model/hf_metadata/ (a Hugging Face model)
       tokenizer files                        copied from model/hf_metadata/ (a tokenizer was given)
@@ -46,28 +46,27 @@ from safetensors.torch import save_file
 
 from resilience.checkpoint.durable import fsync_dir, fsync_file, record, write_bytes
 from resilience.checkpoint.layout import (
-    ADAPTER_CONFIG,
     BUNDLE_MANIFEST,
     CONSOLIDATED,
-    DCP_METADATA,
     HF_CONFIG,
     HF_INDEX,
     HF_METADATA,
-    MODEL_DIR,
-    MODEL_SHARD_GLOB,
-    SHARD_INDEX,
     hf_file_name,
 )
-from resilience.checkpoint.safetensors_file import ST_DTYPES, read_safetensors_header
+from resilience.checkpoint.safetensors_file import read_safetensors_header
+from resilience.checkpoint.sharded_model import (
+    ConsolidateError,
+    read_aliases,
+    read_bundle_omits,
+    read_layout,
+    resolve_model_dir,
+    with_alias_copies,
+)
 
 log = logging.getLogger("resilience.consolidate")
 
 ORDINARY_FLOATS = ("float16", "bfloat16", "float32", "float64")
 CAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
-
-
-class ConsolidateError(ValueError):
-    """A directory cannot be consolidated; the message says which and why."""
 
 
 def parse_cast_dtype(value: str | None) -> str | None:
@@ -109,102 +108,6 @@ def plan_dtypes(tensors: dict[str, dict[str, Any]], cast: str | None) -> tuple[d
         if note:
             notes.append(note)
     return targets, notes
-
-
-# -- reading a sharded model/ directory ------------------------------------------------------------
-def read_layout(model_dir: Path) -> dict[str, dict[str, Any]]:
-    """``{key: {"shard", "file_index", "num_files", "dtype", "shape", "original_dtype"}}`` of the
-    sharded safetensors in ``model_dir``, from ``shard_index.json`` (or, for a checkpoint written
-    before it existed, from the shards' headers).
-
-    Raises:
-        ConsolidateError: ``model_dir`` holds no sharded safetensors model (PEFT adapters, DCP).
-    """
-    index_path = model_dir / SHARD_INDEX
-    if index_path.is_file():
-        index = json.loads(index_path.read_text())
-        return {key: {**info, "shard": index["weight_map"][key], "num_files": index["num_files"]} for key, info in index["tensors"].items()}
-    if (model_dir / ADAPTER_CONFIG).is_file():
-        raise ConsolidateError(f"{model_dir} holds PEFT adapters: they are already a Hugging Face bundle (load it with peft)")
-    if (model_dir / DCP_METADATA).is_file():
-        raise ConsolidateError(f"{model_dir} holds a DCP model (model_save_format: torch_save); consolidation needs model_save_format: safetensors")
-    shards = sorted(model_dir.glob(MODEL_SHARD_GLOB))
-    if not shards:
-        raise ConsolidateError(f"{model_dir}: no {SHARD_INDEX} and no {MODEL_SHARD_GLOB} files")
-    layout = {}
-    for shard in shards:
-        _, _, _, file_index, _, num_files = shard.stem.split("-")
-        header = read_safetensors_header(shard)
-        originals = json.loads(header.get("__metadata__", {}).get("original_dtypes", "{}"))
-        for key, info in header.items():
-            if key != "__metadata__":
-                layout[key] = {
-                    "shard": shard.name, "file_index": int(file_index), "num_files": int(num_files),
-                    "dtype": ST_DTYPES.get(info["dtype"], info["dtype"]), "shape": info["shape"],
-                    "original_dtype": originals.get(key),
-                }
-    return layout
-
-
-def read_aliases(model_dir: Path) -> dict[str, str]:
-    """``{alias: canonical}``: the tied keys stored once (``shard_index.json``'s ``aliases``);
-    ``{}`` for a checkpoint without them (no ties, or written before they were recorded)."""
-    try:
-        aliases = json.loads((model_dir / SHARD_INDEX).read_text()).get("aliases") or {}
-    except (OSError, ValueError, AttributeError):
-        return {}
-    return {str(k): str(v) for k, v in aliases.items()} if isinstance(aliases, dict) else {}
-
-
-def read_bundle_omits(model_dir: Path, aliases: dict[str, str]) -> set[str]:
-    """The aliases the bundle leaves out: those the model declares tied, so that
-    ``from_pretrained`` ties them again (``shard_index.json``'s ``bundle_omits``, recorded at save
-    time from :func:`hf_export.tied_weight_keys`). Every other alias of ``aliases`` is exported as
-    a copy of its canonical tensor.
-
-    A checkpoint saved before ``bundle_omits`` was recorded: all its aliases are left out when its
-    ``hf_metadata/config.json`` says ``tie_word_embeddings: true`` (the Hugging Face models those
-    checkpoints tied), none otherwise (no config, ``false``, or unreadable), so a bundle may hold
-    a redundant copy but never lacks a weight that ``from_pretrained`` would initialise randomly.
-    """
-    try:
-        index = json.loads((model_dir / SHARD_INDEX).read_text())
-    except (OSError, ValueError):
-        index = {}
-    omits = index.get("bundle_omits") if isinstance(index, dict) else None
-    if isinstance(omits, list):
-        return {str(key) for key in omits} & set(aliases)
-    try:
-        config = json.loads((model_dir / HF_METADATA / HF_CONFIG).read_text())
-    except (OSError, ValueError):
-        return set()
-    return set(aliases) if isinstance(config, dict) and config.get("tie_word_embeddings") is True else set()
-
-
-def with_alias_copies(layout: dict[str, dict[str, Any]], aliases: dict[str, str], omits: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """``layout`` plus an entry per alias the bundle holds as a copy (every alias not in
-    ``omits``): its canonical key's entry (same dtype, shape, output file) with ``"source"``, the
-    key whose tensor it copies. Entries of ``layout`` itself are their own source.
-
-    Raises:
-        ConsolidateError: an alias's canonical key is not in ``layout``.
-    """
-    out = dict(layout)
-    for alias, canonical in sorted(aliases.items()):
-        if alias in omits:
-            continue
-        if canonical not in layout:
-            raise ConsolidateError(f"{SHARD_INDEX} ties {alias} to {canonical}, which is not saved")
-        out[alias] = {**layout[canonical], "source": canonical}
-    return out
-
-
-def resolve_model_dir(directory: Path) -> Path:
-    """``directory`` itself, or ``directory/model`` when given a checkpoint directory."""
-    directory = Path(directory)
-    if (directory / MODEL_DIR).is_dir() and not (directory / SHARD_INDEX).exists():
-        return directory / MODEL_DIR
-    return directory
 
 
 def is_complete(out_dir: Path, keys: Iterable[str] | None = None) -> bool:

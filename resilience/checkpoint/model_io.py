@@ -49,7 +49,7 @@ except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor
 
 from resilience.checkpoint import consolidate as consolidation
-from resilience.checkpoint import dcp_io, hf_export
+from resilience.checkpoint import dcp_io, hf_export, sharded_model
 from resilience.checkpoint.balance import balance
 from resilience.checkpoint.durable import FileRecord
 from resilience.checkpoint.layout import (
@@ -175,7 +175,7 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
         dcp_io.load_tensors(state, model_dir, group=group)
         set_model_state_dict(model, state)
     else:
-        layout = consolidation.read_layout(model_dir)
+        layout = sharded_model.read_layout(model_dir)
         live = get_model_state_dict(model)  # the model's own tensors: read into them in place
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted({info["shard"] for info in layout.values()}):
@@ -183,7 +183,7 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
         if set(tensors) != set(layout):
             differ = sorted(set(tensors) ^ set(layout))[:5]
             raise ValueError(f"{model_dir}: the shards and {SHARD_INDEX} disagree on {differ}")
-        _restore_aliases(model_dir, tensors, consolidation.read_aliases(model_dir), live)
+        _restore_aliases(model_dir, tensors, sharded_model.read_aliases(model_dir), live)
         if set(tensors) != set(live) or any(t is not live[key] for key, t in tensors.items()):
             set_model_state_dict(model, tensors)  # some did not fit in place (or keys differ: its error)
 
@@ -271,7 +271,7 @@ def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.
         sidecars = staging / MODEL_HF_METADATA
         written += [f"{MODEL_HF_METADATA}/{rel}" for rel in hf_export.write_hf_metadata(sidecars, model, tokenizer)]
     if consolidated:
-        layout = consolidation.read_layout(staging / MODEL_DIR)
+        layout = sharded_model.read_layout(staging / MODEL_DIR)
         out = staging / MODEL_CONSOLIDATED
         written += [f"{MODEL_CONSOLIDATED}/{rel}" for rel in consolidation.write_bundle(
             out, layout, fetch=cpu, sidecar_dir=sidecars, aliases=aliases, bundle_omits=index["bundle_omits"])]
