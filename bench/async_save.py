@@ -25,7 +25,6 @@ from bench.common import drop_cache, median, remove, rotate, state_tensors, time
 from bench.storage import dcp_state, ours_checkpointer
 from resilience.checkpoint import Checkpointer, TrainingState
 from resilience.config import CheckpointConfig
-from resilience.state.step_scheduler import StepScheduler
 
 warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
 
@@ -65,15 +64,15 @@ def bench_async(work: Path, model, optimizer, repeat: int, log: Callable[[str], 
         s.copy_(t)
 
     ours_root = work / "async_ours"
-    ours = ours_checkpointer(ours_root, is_async=True) if available else None
-    state = TrainingState(model=model, optimizer=optimizer)
+    ours = ours_checkpointer(ours_root, TrainingState(model=model, optimizer=optimizer), is_async=True) if available else None
 
     def memcpy(r: int) -> tuple[float, float]:
         seconds, _ = timed(lambda: [s.copy_(t) for s, t in zip(staging, tensors)])
         return seconds, seconds
 
     def run_ours(r: int) -> tuple[float, float]:
-        blocked, _ = timed(lambda: ours.save(state, StepScheduler(num_epochs=1, global_step=r + 2)))
+        ours.scheduler.global_step = r + 2
+        blocked, _ = timed(ours.save)
         waited, _ = timed(ours.wait)
         _prune(ours_root)
         drop_cache([ours_root])

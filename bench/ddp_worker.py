@@ -229,13 +229,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stop latency k={k}: " + ", ".join(f"{t['seconds'] * 1e3:.1f} ms/{t['steps']} steps" for t in trials), flush=True)
 
     # -- one save of this run's state, as the loop would write it ------------------------------
-    checkpointer = Checkpointer(CheckpointConfig(checkpoint_dir=args.ckpt_dir), DistContext(rank=rank, world_size=world, group=side))
     state = TrainingState(model=run.net, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler, dataloader=run.loader)
+    scheduler = StepScheduler(num_epochs=1, global_step=counter[0])
+    checkpointer = Checkpointer(CheckpointConfig(checkpoint_dir=args.ckpt_dir), DistContext(rank=rank, world_size=world, group=side),
+                                state=state, scheduler=scheduler)
     save_s = []
-    for i in range(args.saves):
+    for _ in range(args.saves):
         dist.barrier()
         start = time.perf_counter()
-        checkpointer.save(state, StepScheduler(num_epochs=1, global_step=counter[0] + i + 1))
+        scheduler.global_step += 1
+        checkpointer.save()
         save_s.append(time.perf_counter() - start)
     if rank == 0:
         result = {"world_size": world, "steps_per_block": args.steps, "rounds": args.rounds, "big_k": big_k, "blocks": per_block,

@@ -95,12 +95,12 @@ def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, ever
 
     original_save, original_write = checkpointer.Checkpointer.save, checkpointer.save_checkpoint
 
-    def save(self, state, scheduler, *, reason="periodic"):
-        event("save_begin", scheduler.global_step)
+    def save(self, reason="periodic"):
+        event("save_begin", self.scheduler.global_step)
         try:
-            return original_save(self, state, scheduler, reason=reason)
+            return original_save(self, reason)
         finally:
-            event("save_return", scheduler.global_step)
+            event("save_return", self.scheduler.global_step)
 
     def write(ctx, root, name, *args, **kwargs):  # the writing and publishing (background when async)
         event("write_begin", name)

@@ -62,14 +62,15 @@ def read_raw(path: Path, tensors: list[torch.Tensor]) -> None:
 
 
 # -- the methods -------------------------------------------------------------------------------
-def ours_checkpointer(root: Path, **config: Any) -> Checkpointer:
-    """Our Checkpointer on one local rank, writing under ``root``."""
-    return Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **config), DistContext())
+def ours_checkpointer(root: Path, state: TrainingState | None = None, step: int = 0, **config: Any) -> Checkpointer:
+    """Our Checkpointer of ``state`` at global step ``step`` on one local rank, writing under ``root``."""
+    return Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **config), DistContext(),
+                        state=state or TrainingState(model=torch.nn.Identity()), scheduler=StepScheduler(num_epochs=1, global_step=step))
 
 
 def save_ours(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:
     """``Checkpointer.save`` of model + optimizer (safetensors weights, DCP optimizer, manifest)."""
-    path = ours_checkpointer(root).save(TrainingState(model=model, optimizer=optimizer), StepScheduler(num_epochs=1, global_step=step))
+    path = ours_checkpointer(root, TrainingState(model=model, optimizer=optimizer), step).save()
     assert path is not None
     return path
 
@@ -360,15 +361,15 @@ def _profile_async_blocked(root: Path, model, optimizer, state_bytes: int, top: 
     import cProfile
     import pstats
 
-    ck = ours_checkpointer(root, is_async=True)
-    state = TrainingState(model=model, optimizer=optimizer)
-    ck.save(state, StepScheduler(num_epochs=1, global_step=1))
+    ck = ours_checkpointer(root, TrainingState(model=model, optimizer=optimizer), 1, is_async=True)
+    ck.save()
     ck.wait()
     touch_memory(state_bytes)
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
-    ck.save(state, StepScheduler(num_epochs=1, global_step=2))
+    ck.scheduler.global_step = 2
+    ck.save()
     profiler.disable()
     blocked = time.perf_counter() - start
     ck.wait()

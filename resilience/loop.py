@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 
 from resilience import progress_guard
 from resilience.agreement import StopAgreement
-from resilience.checkpoint import Checkpointer, TrainingState
+from resilience.checkpoint import Checkpointer, SaveReason, TrainingState
 from resilience.checkpoint.best import append_jsonl
 from resilience.checkpoint.layout import TRAINING_LOG, VALIDATION_LOG
 from resilience.config import ResilienceConfig, config_from_dict
@@ -61,10 +60,15 @@ class ResilientLoop:
         self.config = config
         self.state = state
         self.ctx = ctx if ctx is not None else DistContext.from_env()
-        self.checkpointer = Checkpointer(config.checkpoint, self.ctx, run_config=config.to_dict(), run_id=run_id_from_env())
-        self.checkpointer.global_batch_size = global_batch_size(
-            config.step_scheduler.global_batch_size, state.dataloader, self.ctx, config.step_scheduler.gradient_accumulation_steps)
         self.scheduler = StepScheduler(config.step_scheduler.num_epochs, config.step_scheduler.max_steps)
+        self.timer = RunTimer()
+        """Moving averages of step and save time (seconds), recorded in each checkpoint."""
+        self.checkpointer = Checkpointer(
+            config.checkpoint, self.ctx, state=state, scheduler=self.scheduler, timer=self.timer,
+            global_batch_size=global_batch_size(config.step_scheduler.global_batch_size, state.dataloader, self.ctx,
+                                                config.step_scheduler.gradient_accumulation_steps),
+            run_config=config.to_dict(), run_id=run_id_from_env(),
+        )
         self.exit_code: ExitCode | None = None
         """Set when the loop ends: DONE, PREEMPTED (a checkpoint of the stop step is published), FAILED,
         NO_PROGRESS, or CONFIG_ERROR (a batch-size change at resume that cannot continue exactly)."""
@@ -76,8 +80,6 @@ class ResilientLoop:
         self._agreement: StopAgreement | None = None
         self._pending: Any = lambda: 0  # this rank's stop flag (signals recorded or a stop file)
         self._stop_agreed_in_step = False  # should_stop() agreed a stop inside a step's body
-        self.timer = RunTimer()
-        """Moving averages of step and save time (seconds), recorded in each checkpoint."""
         self._deadline = Deadline(config, self.ctx.rank, self.timer)
         # Slurm signals every process of a step: the loader's workers must outlive the save.
         shield_dataloader_workers(state.dataloader, config.step_scheduler.signals)
@@ -311,7 +313,7 @@ class ResilientLoop:
         return self._stop_agreed_in_step
 
     def _resume(self):
-        restored = self.checkpointer.restore(self.state)
+        restored = self.checkpointer.restore()
         if restored is None:
             if self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
                 self._truncate_logs(0)  # rows of a run that died before its first checkpoint: redone now
@@ -327,8 +329,6 @@ class ResilientLoop:
             accumulation=self.config.step_scheduler.gradient_accumulation_steps,
         )
         self.scheduler.load_state_dict(restored.step_scheduler)
-        if self.checkpointer.run_id is None and self.checkpointer.resume_source != "load_path":
-            self.checkpointer.run_id = restored.meta.get("run_id")  # one run id across restarts
         self._truncate_logs(self.scheduler.global_step)
         log.info("rank %d: resumed from %s (global step %d)", self.ctx.rank, directory.name, self.scheduler.global_step)
         return restored
@@ -337,12 +337,9 @@ class ResilientLoop:
         if self.ctx.rank == 0:
             truncate_logs(self.checkpointer.root, global_step)
 
-    def _save(self, reason: str) -> None:
-        if self.checkpointer.run_id is None:
-            self.checkpointer.run_id = uuid.uuid4().hex
-        self.checkpointer.timings = self.timer.as_dict()
+    def _save(self, reason: SaveReason) -> None:
         started = self.timer.clock()
-        self.checkpointer.save(self.state, self.scheduler, reason=reason)
+        self.checkpointer.save(reason)
         self.timer.record_save(self.timer.clock() - started)
         self._deadline.warn_lead_time(self.timer.as_dict(), self._cadence())
 

@@ -46,12 +46,13 @@ def test_checkpoint_of_step_n_equals_a_deep_copy_at_n_while_steps_n1_n2_run(tmp_
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     for seed in range(3):
         _train_step(model, optimizer, seed)
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(tmp_path), is_async=True), DistContext())
+    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(tmp_path), is_async=True), DistContext(),
+                      state=TrainingState(model=model, optimizer=optimizer), scheduler=StepScheduler(num_epochs=1, global_step=3, batches_in_epoch=3))
     expected_model = copy.deepcopy(model.state_dict())
     expected_optim = copy.deepcopy(optimizer.state_dict())
 
     started = time.monotonic()
-    ck.save(TrainingState(model=model, optimizer=optimizer), StepScheduler(num_epochs=1, global_step=3, batches_in_epoch=3))
+    ck.save()
     blocked = time.monotonic() - started
     assert ck.save_in_flight
     assert not (tmp_path / "LATEST").exists(), "nothing is published before it is durable"
@@ -77,10 +78,11 @@ def test_checkpoint_of_step_n_equals_a_deep_copy_at_n_while_steps_n1_n2_run(tmp_
 
 def test_at_most_one_save_in_flight_and_the_next_save_waits(tmp_path, slow_writer):
     model = torch.nn.Linear(4, 4)
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(tmp_path), is_async=True), DistContext())
-    state = TrainingState(model=model)
-    ck.save(state, StepScheduler(num_epochs=1, global_step=1, batches_in_epoch=1))
-    ck.save(state, StepScheduler(num_epochs=1, global_step=2, batches_in_epoch=2))  # waits for step 1
+    scheduler = StepScheduler(num_epochs=1, global_step=1, batches_in_epoch=1)
+    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(tmp_path), is_async=True), DistContext(), state=TrainingState(model=model), scheduler=scheduler)
+    ck.save()
+    scheduler.finish_step()
+    ck.save()  # waits for step 1
     assert validate(tmp_path / "epoch_0_step_1")["meta"]["global_step"] == 1
     ck.close()
     assert latest_name(tmp_path) == "epoch_0_step_2"
@@ -91,10 +93,11 @@ def test_a_failed_background_write_raises_at_the_next_wait(tmp_path):
         if phase == "manifest":
             raise OSError(28, "No space left on device")
 
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(tmp_path), is_async=True), DistContext())
+    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(tmp_path), is_async=True), DistContext(),
+                      state=TrainingState(model=torch.nn.Linear(2, 2)), scheduler=StepScheduler(num_epochs=1, global_step=1, batches_in_epoch=1))
     writer.fault_hook = fail
     try:
-        ck.save(TrainingState(model=torch.nn.Linear(2, 2)), StepScheduler(num_epochs=1, global_step=1, batches_in_epoch=1))
+        ck.save()
         with pytest.raises(Exception, match="No space left on device"):
             ck.wait()
     finally:

@@ -75,16 +75,23 @@ def scheduler_at(step: int, epoch: int = 0) -> StepScheduler:
     return StepScheduler(num_epochs=3, epoch=epoch, batches_in_epoch=step, global_step=step)
 
 
-def checkpointer(root: Path, **overrides) -> Checkpointer:
-    return Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **overrides), DistContext())
+def checkpointer(root: Path, state: TrainingState | None = None, scheduler: StepScheduler | None = None, **overrides) -> Checkpointer:
+    """A checkpointer of ``state`` (default: ``make_state(seed=1)``) at ``scheduler`` (default: step 0)."""
+    return Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **overrides), DistContext(),
+                        state=state if state is not None else make_state(seed=1), scheduler=scheduler or scheduler_at(0))
+
+
+def save_at(ck: Checkpointer, step: int, reason: str = "periodic") -> Path | None:
+    """Advance the registered scheduler to ``step`` (as training does), then save."""
+    ck.scheduler.load_state_dict(scheduler_at(step).state_dict())
+    return ck.save(reason)
 
 
 def save_steps(root: Path, *steps: int) -> Checkpointer:
     """Save one checkpoint per step (same state object); LATEST ends at the last one."""
     ck = checkpointer(root)
-    state = make_state(seed=1)
     for step in steps:
-        assert ck.save(state, scheduler_at(step)) == root / f"epoch_0_step_{step}"
+        assert save_at(ck, step) == root / f"epoch_0_step_{step}"
     return ck
 
 
@@ -107,10 +114,10 @@ def no_fault_hook():
 
 
 def test_round_trip_restores_model_optimizer_schedulers_data_position_and_rng(root):
-    ck = checkpointer(root)
     saved = make_state(seed=1)
     saved_sched = scheduler_at(2)
-    directory = ck.save(saved, saved_sched, reason="periodic")
+    ck = checkpointer(root, saved, saved_sched)
+    directory = ck.save("periodic")
     # What the RNG streams give right after the save...
     expected_draws = (torch.rand(3), random.random(), np.random.rand(2))
     expected_next_batch = saved.dataloader.dataset.tensors[0][4:6]  # two batches of 2 were drawn
@@ -157,7 +164,7 @@ def test_shuffled_stateful_dataloader_resumes_the_same_remaining_batches(root):
     next(batches)
     next(batches)
     state = TrainingState(model=torch.nn.Linear(1, 1), dataloader=loader)
-    saved = checkpointer(root).save(state, StepScheduler(num_epochs=1, batches_in_epoch=2, global_step=2))
+    saved = checkpointer(root, state, StepScheduler(num_epochs=1, batches_in_epoch=2, global_step=2)).save()
     expected = [b[0].tolist() for b in batches]
 
     fresh = StatefulDataLoader(TensorDataset(torch.arange(20.0)), batch_size=2, shuffle=True)
@@ -168,11 +175,10 @@ def test_shuffled_stateful_dataloader_resumes_the_same_remaining_batches(root):
 
 
 def test_checkpoint_named_after_epoch_of_the_step_after_an_epoch_ends(root):
-    ck = checkpointer(root)
     state = TrainingState(model=torch.nn.Linear(2, 2))
     # After the last batch of epoch 1 the scheduler already points at epoch 2, batch 0.
     sched = StepScheduler(num_epochs=5, epoch=2, batches_in_epoch=0, global_step=10)
-    assert ck.save(state, sched).name == "epoch_1_step_10"
+    assert checkpointer(root, state, sched).save().name == "epoch_1_step_10"
 
 
 def test_load_refuses_a_checkpoint_of_another_world_size(root):
@@ -188,7 +194,7 @@ def test_load_refuses_a_checkpoint_of_another_world_size(root):
 def test_disabled_checkpointing_writes_and_resumes_nothing(root):
     save_steps(root, 2)
     ck = checkpointer(root, enabled=False)
-    assert ck.save(make_state(seed=1), scheduler_at(4)) is None
+    assert save_at(ck, 4) is None
     assert not (root / "epoch_0_step_4").exists()
     assert ck.find_resume_point() is None
 
@@ -243,7 +249,7 @@ def test_failed_save_at_any_phase_leaves_latest_on_the_previous_valid_checkpoint
 
     writer.fault_hook = fail
     with pytest.raises(CheckpointSaveError, match="epoch_0_step_4.*injected failure"):
-        ck.save(make_state(seed=5), scheduler_at(4))
+        save_at(ck, 4)
     writer.fault_hook = None
 
     assert latest_name(root) == "epoch_0_step_2"
@@ -254,7 +260,7 @@ def test_failed_save_at_any_phase_leaves_latest_on_the_previous_valid_checkpoint
     if phase != "pointer":
         assert not (root / "epoch_0_step_4").exists()
     # The next save works normally.
-    ck.save(make_state(seed=5), scheduler_at(6))
+    save_at(ck, 6)
     assert latest_name(root) == "epoch_0_step_6"
 
 
@@ -269,7 +275,7 @@ def test_resave_of_same_step_whose_rename_fails_keeps_the_previous_save(root, no
 
     writer.fault_hook = remove_staging
     with pytest.raises(CheckpointSaveError):
-        ck.save(make_state(seed=9), scheduler_at(4))
+        save_at(ck, 4)
     writer.fault_hook = None
     assert elsewhere.is_dir()
     assert latest_name(root) == "epoch_0_step_4"
@@ -280,10 +286,10 @@ def test_resave_of_same_step_whose_rename_fails_keeps_the_previous_save(root, no
 
 def test_resave_of_same_step_replaces_it_atomically(root):
     ck = save_steps(root, 4)
-    state = make_state(seed=7)
     with torch.no_grad():
-        state.model[0].weight.fill_(3.25)
-    ck.save(state, scheduler_at(4))
+        ck.state.model[0].weight.fill_(3.25)  # trained on since
+    ck.state.extra["counter"].value = 7
+    save_at(ck, 4)
     assert not list(root.glob(".trash_*")) and not list(root.glob(".staging_*"))
     assert latest_name(root) == "epoch_0_step_4"
     validate(root / "epoch_0_step_4")
@@ -334,11 +340,11 @@ def _malformed_manifest(directory: Path) -> None:
 def test_invalid_latest_falls_back_to_newest_older_valid_checkpoint(root, caplog, damage, why):
     save_steps(root, 2, 4, 6)
     damage(root / "epoch_0_step_6")
-    ck = checkpointer(root)
+    ck = checkpointer(root, make_state(seed=2))
     with caplog.at_level(logging.WARNING, logger="resilience.checkpoint"):
         # structural damage is seen when choosing, flipped bytes while loading: either way the
         # restore ends on the older checkpoint
-        assert ck.restore(make_state(seed=2)).directory == root / "epoch_0_step_4"
+        assert ck.restore().directory == root / "epoch_0_step_4"
     assert (root / "epoch_0_step_6" / BAD_MARKER).exists() or damage is _delete
     text = caplog.text
     assert "epoch_0_step_6" in text and why in text and "falling back to epoch_0_step_4" in text
@@ -365,7 +371,7 @@ def test_all_checkpoints_invalid_means_fresh_start_with_warnings(root, caplog):
     _truncate(root / "epoch_0_step_2")
     _truncate(root / "epoch_0_step_4")
     with caplog.at_level(logging.WARNING, logger="resilience.checkpoint"):
-        assert checkpointer(root).restore(make_state(seed=2)) is None
+        assert checkpointer(root, make_state(seed=2)).restore() is None
     assert caplog.text.count("truncated") == 2
 
 
@@ -377,23 +383,22 @@ def test_all_checkpoints_corrupt_inside_stops_the_run_then_the_next_start_is_fre
     _flip_byte(root / "epoch_0_step_4")
     with caplog.at_level(logging.WARNING, logger="resilience.checkpoint"):
         with pytest.raises(CheckpointCorrupted, match="run again to start from scratch"):
-            checkpointer(root).restore(make_state(seed=2))
+            checkpointer(root, make_state(seed=2)).restore()
     assert caplog.text.count("checksum mismatch") == 2
     assert (root / "epoch_0_step_2" / BAD_MARKER).exists() and (root / "epoch_0_step_4" / BAD_MARKER).exists()
-    assert checkpointer(root).restore(make_state(seed=2)) is None
+    assert checkpointer(root, make_state(seed=2)).restore() is None
 
 
 def test_corrupt_optimizer_bytes_fall_back_to_an_exact_older_state(root):
-    ck = checkpointer(root)
     older, newer = make_state(seed=1, train_steps=2), make_state(seed=1, train_steps=4)
-    ck.save(older, scheduler_at(2))
-    ck.save(newer, scheduler_at(4))
+    save_at(checkpointer(root, older), 2)
+    save_at(checkpointer(root, newer), 4)
     distcp = root / "epoch_0_step_4" / "optim" / "__0_0.distcp"
     data = bytearray(distcp.read_bytes())
     data[len(data) // 2] ^= 0x01
     distcp.write_bytes(bytes(data))
     fresh = make_state(seed=3)
-    assert checkpointer(root).restore(fresh).directory == root / "epoch_0_step_2"
+    assert checkpointer(root, fresh).restore().directory == root / "epoch_0_step_2"
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), older.model.parameters()))
     for p_fresh, p_old in zip(fresh.model.parameters(), older.model.parameters()):
         got, want = fresh.optimizer.state[p_fresh], older.optimizer.state[p_old]
@@ -404,7 +409,7 @@ def test_a_corrupt_restore_from_is_an_error_not_a_fallback(root):
     save_steps(root, 2, 4)
     _flip_byte(root / "epoch_0_step_2")
     with pytest.raises(CheckpointNotFound, match="checkpoint.restore_from: .*checksum mismatch"):
-        checkpointer(root, restore_from="epoch_0_step_2").restore(make_state(seed=2))
+        checkpointer(root, make_state(seed=2), restore_from="epoch_0_step_2").restore()
 
 
 def test_checkpoints_newer_than_latest_are_not_resumed(root):
@@ -521,12 +526,12 @@ def test_pointer_forms_never_disagree_when_symlink_support_changes(root, monkeyp
     ck = save_steps(root, 2)
     assert (root / LATEST).is_symlink()
     _no_symlinks(monkeypatch)
-    ck.save(make_state(seed=1), scheduler_at(4))
+    save_at(ck, 4)
     assert not (root / LATEST).is_symlink(), "a stale symlink would win over LATEST.txt"
     assert read_pointer(root, LATEST) == root / "epoch_0_step_4"
     assert ck.find_resume_point() == root / "epoch_0_step_4"
     monkeypatch.undo()
-    ck.save(make_state(seed=1), scheduler_at(6))
+    save_at(ck, 6)
     assert (root / LATEST).is_symlink() and not (root / "LATEST.txt").exists()
     assert read_pointer(root, LATEST) == root / "epoch_0_step_6"
 

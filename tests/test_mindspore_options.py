@@ -21,6 +21,7 @@ from resilience.checkpoint.manifest import read_manifest, validate
 from resilience.checkpoint.pointers import read_pointer
 from resilience.config import ConfigError, config_from_dict
 from resilience.distributed import DistContext
+from resilience.state.step_scheduler import StepScheduler
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata's set_vital deprecation
 
@@ -183,8 +184,9 @@ def test_resaving_a_step_of_an_abandoned_timeline_replaces_it_atomically_and_kee
     assert validate(root / names[2])["meta"]["checkpoint_id"] == first["checkpoint_id"]  # the first run's step 4, kept
     assert second["parent"] == {"name": "epoch_0_step_2", "checkpoint_id": validate(root / "epoch_0_step_2")["meta"]["checkpoint_id"]}
     fresh = torch.nn.Linear(2, 1)
-    Checkpointer(config_from_dict({"checkpoint": {"checkpoint_dir": str(root)}}).checkpoint, DistContext()).load(
-        root / "epoch_0_step_4", TrainingState(model=fresh))
+    state = TrainingState(model=fresh)
+    Checkpointer(config_from_dict({"checkpoint": {"checkpoint_dir": str(root)}}).checkpoint, DistContext(),
+                 state=state, scheduler=StepScheduler(num_epochs=1)).load(root / "epoch_0_step_4", state)
     assert torch.equal(fresh.weight, model.weight)  # the second run's weights, not the first's
 
 

@@ -97,17 +97,19 @@ def make_state() -> TrainingState:
     return TrainingState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def at(step: int) -> StepScheduler:
-    return StepScheduler(num_epochs=1, batches_in_epoch=step, global_step=step)
+def at(ck: Checkpointer, step: int) -> Checkpointer:
+    """``ck`` with its registered scheduler advanced to ``step`` (as training does)."""
+    ck.scheduler.load_state_dict({"epoch": 0, "batches_in_epoch": step, "global_step": step})
+    return ck
 
 
 @pytest.mark.parametrize("phase", ["parts", "manifest", "rename", "pointer"])
 def test_a_failed_save_prunes_nothing(tmp_path, phase):
     root = tmp_path / "ck"
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root), max_recent_checkpoints=2), DistContext())
-    state = make_state()
-    ck.save(state, at(1))
-    ck.save(state, at(2))
+    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root), max_recent_checkpoints=2), DistContext(),
+                      state=make_state(), scheduler=StepScheduler(num_epochs=1))
+    at(ck, 1).save()
+    at(ck, 2).save()
 
     def fail(name: str) -> None:
         if name == phase:
@@ -116,7 +118,7 @@ def test_a_failed_save_prunes_nothing(tmp_path, phase):
     writer.fault_hook = fail
     try:
         with pytest.raises(CheckpointSaveError):
-            ck.save(state, at(3))
+            at(ck, 3).save()
     finally:
         writer.fault_hook = None
     assert {"epoch_0_step_1", "epoch_0_step_2"} <= checkpoint_dirs(root)  # step 1 would leave the window
@@ -125,9 +127,9 @@ def test_a_failed_save_prunes_nothing(tmp_path, phase):
 
 def test_pruning_starts_only_once_latest_names_the_new_checkpoint(tmp_path):
     root = tmp_path / "ck"
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root), max_recent_checkpoints=1), DistContext())
-    state = make_state()
-    ck.save(state, at(1))
+    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root), max_recent_checkpoints=1), DistContext(),
+                      state=make_state(), scheduler=StepScheduler(num_epochs=1))
+    at(ck, 1).save()
     seen = {}
 
     def observe(name: str) -> None:
@@ -137,7 +139,7 @@ def test_pruning_starts_only_once_latest_names_the_new_checkpoint(tmp_path):
 
     writer.fault_hook = observe
     try:
-        ck.save(state, at(2))
+        at(ck, 2).save()
     finally:
         writer.fault_hook = None
     assert seen == {"latest": root / "epoch_0_step_2", "old_still_there": True}

@@ -28,6 +28,7 @@ from resilience.checkpoint.reader import find_resume_checkpoint
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler
+from resilience.timing import RunTimer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -56,15 +57,18 @@ def build_root(root: Path) -> None:
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()  # momentum buffers: the optimizer has state to save
     state = TrainingState(model=model, optimizer=optimizer)
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root)), DistContext())
+    scheduler, timer = StepScheduler(num_epochs=1), RunTimer()
+    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root)), DistContext(), state=state, scheduler=scheduler, timer=timer)
     for step in (2, 4, 6, 8, 10):
+        scheduler.load_state_dict({"epoch": 0, "batches_in_epoch": step, "global_step": step})
         ck.record_validation(step, {"val_loss": VAL[step]})
-        ck.timings = {"step_s": TIMINGS[step][0], "save_s": TIMINGS[step][1]}
-        ck.save(state, StepScheduler(num_epochs=1, batches_in_epoch=step, global_step=step))
+        timer.step_s, timer.save_s = TIMINGS[step]  # as the loop's timer would have measured
+        ck.save()
+    scheduler.load_state_dict({"epoch": 0, "batches_in_epoch": 12, "global_step": 12})
     writer.fault_hook = _crash_at_manifest
     try:
         with pytest.raises(_Crash):
-            ck.save(state, StepScheduler(num_epochs=1, batches_in_epoch=12, global_step=12))
+            ck.save()
     finally:
         writer.fault_hook = None
     assert (root / ".staging_epoch_0_step_12").is_dir()
@@ -482,8 +486,9 @@ def test_status_tells_failed_from_cleanly_preempted_starts_and_says_why_the_next
 
 
 def _save_one(root: Path, model: torch.nn.Module, **checkpoint) -> Path:
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **checkpoint), DistContext())
-    return ck.save(TrainingState(model=model), StepScheduler(num_epochs=1, batches_in_epoch=1, global_step=1))
+    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **checkpoint), DistContext(),
+                      state=TrainingState(model=model), scheduler=StepScheduler(num_epochs=1, batches_in_epoch=1, global_step=1))
+    return ck.save()
 
 
 def _mlp() -> torch.nn.Module:

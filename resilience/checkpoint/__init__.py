@@ -10,6 +10,7 @@ from resilience.lazy import lazy_getattr
 
 _LAZY = {
     "Checkpointer": "resilience.checkpoint.checkpointer",
+    "SaveReason": "resilience.checkpoint.checkpointer",
     "TrainingState": "resilience.checkpoint.training_state",
     "Restored": "resilience.checkpoint.loading",
     "CheckpointInvalid": "resilience.checkpoint.manifest",

@@ -13,7 +13,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -34,10 +34,14 @@ from resilience.distributed import DistContext
 from resilience.state.batch_size import epoch_complete
 from resilience.state.rng import load_rng_state
 from resilience.state.step_scheduler import StepScheduler
+from resilience.timing import RunTimer
 
-__all__ = ["Checkpointer", "Restored", "TrainingState"]
+__all__ = ["Checkpointer", "Restored", "SaveReason", "TrainingState"]
 
 log = logging.getLogger("resilience.checkpoint")
+
+SaveReason = Literal["periodic", "preemption", "final"]
+"""Why a checkpoint is saved; recorded as ``meta.reason`` in its manifest."""
 
 
 class Checkpointer:
@@ -45,6 +49,12 @@ class Checkpointer:
 
     Every method is a collective over ``ctx`` (call it on every rank). A save publishes
     ``epoch_<E>_step_<S>/`` and moves ``LATEST`` only after every rank's files are durable.
+
+    What it saves is registered once, here: ``state`` (the objects), ``scheduler`` (whose
+    counters name each checkpoint), ``timer`` (its step and save times are recorded in each
+    manifest), ``global_batch_size`` (samples per optimizer step over all ranks; ``None`` when
+    unknown) and ``run_id`` (the environment's: ``RESILIENCE_RUN_ID`` or the Slurm job's; see
+    :meth:`_run_id`). A save is then just ``save(reason)``.
 
     With ``config.is_async`` a save takes a snapshot (model and optimizer tensors copied into
     reused host buffers; RNG, data position, counters captured) and returns; a background thread
@@ -54,12 +64,31 @@ class Checkpointer:
     raise its failure, on every rank alike.
     """
 
-    def __init__(self, config: CheckpointConfig, ctx: DistContext, *, run_config: dict[str, Any] | None = None, run_id: str | None = None):
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        ctx: DistContext,
+        *,
+        state: TrainingState,
+        scheduler: StepScheduler,
+        timer: RunTimer | None = None,
+        global_batch_size: int | None = None,
+        run_config: dict[str, Any] | None = None,
+        run_id: str | None = None,
+    ):
         self.config = config
         self.ctx = ctx
+        self.state = state
+        self.scheduler = scheduler
+        self.timer = timer
+        self.global_batch_size = global_batch_size
+        """Samples per optimizer step over all ranks (``None`` when unknown), recorded in every checkpoint."""
         self.root = Path(config.checkpoint_dir).absolute()
         self.run_config = run_config or {}
         self.run_id = run_id
+        """This run's id (retention's ``save_max`` tells this run's checkpoints by it): set by
+        :meth:`_run_id` at the first save, unless given."""
+        self._resumed_run_id: str | None = None
         self.last_saved_step: int | None = None
         self.last_saved_reason: str | None = None
         """Why the checkpoint of ``last_saved_step`` was saved (``periodic``, ``final``, ``preemption``)."""
@@ -70,14 +99,9 @@ class Checkpointer:
         """Rank 0: rows logged since the last save (they go into its ``losses.json``)."""
         self.validation: dict[int, dict[str, Any]] = {}
         """Rank 0: validation metrics by global step, waiting for that step's checkpoint."""
-        self.global_batch_size: int | None = None
-        """Samples per optimizer step over all ranks (``step_scheduler.global_batch_size``, else derived
-        from the loader; ``None`` when unknown), set by the loop and recorded in every checkpoint."""
         self.parent: dict[str, Any] | None = None
         """The checkpoint the next save continues (``{"name", "checkpoint_id"}``): the one resumed
         from, then the previous save; ``None`` at step 0 (see :mod:`resilience.checkpoint.lineage`)."""
-        self.timings: dict[str, float | None] = {}
-        """Step and save time moving averages (seconds) at this save, set by the loop."""
         self._async: AsyncWriter | None = None
         self._async_ctx: DistContext | None = None
         self._buffers = StagingBuffers()
@@ -127,8 +151,9 @@ class Checkpointer:
         return chosen
 
     # -- save ---------------------------------------------------------------------------------
-    def save(self, state: TrainingState, scheduler: StepScheduler, *, reason: str = "periodic") -> Path | None:
-        """Checkpoint the current state; returns the directory it is (or, async, will be) published as.
+    def save(self, reason: SaveReason = "periodic") -> Path | None:
+        """Checkpoint the registered state at the registered scheduler's step; returns the directory
+        it is (or, async, will be) published as.
 
         Synchronous: returns once it is published. Asynchronous: waits for the save in flight,
         takes a snapshot and returns; training may then change every object at once.
@@ -143,8 +168,7 @@ class Checkpointer:
         self.wait()  # at most one save in flight; raises its failure here, on every rank
         if self.ctx.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-        if self.run_id is None:
-            self.run_id = uuid.uuid4().hex  # save_max tells this run's checkpoints by it
+        state, scheduler = self.state, self.scheduler
         epoch = epoch_of(scheduler)
         step = scheduler.global_step
         name = checkpoint_name(epoch, step)
@@ -154,7 +178,7 @@ class Checkpointer:
             "world_size": self.ctx.world_size,
             "reason": reason,
             "saved_at": time.time(),
-            "run_id": self.run_id,
+            "run_id": self._run_id(),
             "torch_version": torch.__version__,
             "global_batch_size": self.global_batch_size,
             # batches_in_epoch counts micro-batches: a resume under another batch size needs both
@@ -162,7 +186,7 @@ class Checkpointer:
             "epoch_complete": epoch_complete(state.dataloader, scheduler.batches_in_epoch),
             "optimizer_saved": state.optimizer is not None and not self.config.no_save_optim,
             "is_async": self._async is not None,
-            "timings": dict(self.timings),
+            "timings": self.timer.as_dict() if self.timer is not None else {},
             "checkpoint_id": uuid.uuid4().hex,
             "parent": self.parent,
         }
@@ -172,7 +196,7 @@ class Checkpointer:
             key, value = select_metric(self.validation[step], self.config.best_metric_key)
             meta["val_metrics"] = json_safe(self.validation[step])
             meta["val_metric"] = {"key": key, "value": value}
-        parts = self._parts(state, scheduler, reason, snapshot=self._async is not None)
+        parts = self._parts(reason, snapshot=self._async is not None)
         self.last_saved_step, self.last_saved_reason = step, reason
         self.training_rows = [row for row in self.training_rows if row.get("global_step", 0) > step]
         self.validation = {s: m for s, m in self.validation.items() if s > step}
@@ -184,6 +208,14 @@ class Checkpointer:
             return write_and_publish(self.ctx)
         self._async.submit(lambda: write_and_publish(self._async_ctx), description=name)
         return self.root / name
+
+    def _run_id(self) -> str:
+        """This run's id, decided once, at its first save: the one given at construction (the
+        environment's), else that of the checkpoint resumed from (one id across restarts; not
+        one loaded through ``load_path``: another run's), else a fresh one."""
+        if self.run_id is None:
+            self.run_id = self._resumed_run_id or uuid.uuid4().hex
+        return self.run_id
 
     def wait(self) -> Path | None:
         """Wait for the asynchronous save in flight (if any) to be published; returns its directory.
@@ -227,19 +259,19 @@ class Checkpointer:
         if keep is not None:
             retention.prune(self.root, keep, run_id=self.run_id if self.config.save_max is not None else None, current=final)
 
-    def _parts(self, state: TrainingState, scheduler: StepScheduler, reason: str = "periodic", *, snapshot: bool = False) -> list[Part]:
+    def _parts(self, reason: SaveReason, *, snapshot: bool = False) -> list[Part]:
         """The pieces of this checkpoint (:func:`checkpoint_parts`); with ``snapshot`` its tensors
         are copied into the staging buffers, for a save written in the background."""
         return checkpoint_parts(
-            state, scheduler, reason=reason, config=self.config, ctx=self.ctx,
+            self.state, self.scheduler, reason=reason, config=self.config, ctx=self.ctx,
             group=self.ctx.group if self._async is None else self._async_ctx.group,
             root=self.root, buffers=self._buffers if snapshot else None, run_config=self.run_config,
             global_batch_size=self.global_batch_size, training_rows=self.training_rows, validation=self.validation,
         )
 
     # -- resume -------------------------------------------------------------------------------
-    def restore(self, state: TrainingState) -> Restored | None:
-        """Find the checkpoint to resume from and load it into ``state`` (:meth:`find_resume_point`
+    def restore(self) -> Restored | None:
+        """Find the checkpoint to resume from and load it into the registered state (:meth:`find_resume_point`
         then :meth:`load`); ``None`` for a fresh start. A collective.
 
         A checkpoint whose bytes turn out corrupt while loading is marked bad and the newest older
@@ -254,7 +286,7 @@ class Checkpointer:
         corrupt: CheckpointCorrupted | None = None
         while (directory := self.find_resume_point()) is not None:
             try:
-                return self.load(directory, state)
+                return self.load(directory, self.state)
             except CheckpointCorrupted as exc:
                 if self.resume_source in ("restore_from", "load_path"):
                     raise CheckpointNotFound(f"checkpoint.{self.resume_source}: {exc}") from exc
@@ -331,6 +363,8 @@ class Checkpointer:
                 self.lowest_val.reload()  # the best so far survives the restart
             self.last_saved_step, self.last_saved_reason = restored.meta["global_step"], restored.meta.get("reason")
             self.parent = parent_ref(directory, restored.meta, self.root)
+            if self.resume_source != "load_path":
+                self._resumed_run_id = restored.meta.get("run_id")
         return restored
 
     @staticmethod
