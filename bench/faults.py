@@ -93,7 +93,7 @@ def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, ever
     def event(kind: str, detail: Any = "") -> None:
         os.write(fd, f"{time.monotonic():.6f} {rank} {kind} {detail}\n".encode())
 
-    original_save, original_write = checkpointer.Checkpointer.save, checkpointer.save_checkpoint
+    original_save, original_write = checkpointer.Checkpointer.save, checkpointer.Checkpointer._write
 
     def save(self, reason="periodic"):
         event("save_begin", self.scheduler.global_step)
@@ -102,9 +102,9 @@ def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, ever
         finally:
             event("save_return", self.scheduler.global_step)
 
-    def write(ctx, root, name, *args, **kwargs):  # the writing and publishing (background when async)
+    def write(self, ctx, name, *args, **kwargs):  # the writing and publishing (background when async)
         event("write_begin", name)
-        result = original_write(ctx, root, name, *args, **kwargs)
+        result = original_write(self, ctx, name, *args, **kwargs)
         event("write_end", name)
         return result
 
@@ -114,7 +114,7 @@ def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, ever
             time.sleep(phase_sleep_s)
 
     checkpointer.Checkpointer.save = save
-    checkpointer.save_checkpoint = write
+    checkpointer.Checkpointer._write = write
     writer.fault_hook = hook
     event("start")
 

@@ -1,13 +1,13 @@
 """``Checkpointer``: saves a training run's checkpoints and resumes from them.
 
-The public methods own the guards (enabled? distributed? a save in flight?) and delegate: what a
-save holds is :mod:`resilience.checkpoint.parts`, writing and publishing it
-:mod:`resilience.checkpoint.writer`; choosing and verifying the checkpoint to resume from is
-:mod:`resilience.checkpoint.reader`, loading it :mod:`resilience.checkpoint.loading`.
+The public methods own the guards and delegate: what a save holds is :mod:`~.parts`, writing and
+publishing it :mod:`~.writer`, then ``LOWEST_VAL`` and retention here; choosing and verifying the
+checkpoint to resume from is :mod:`~.reader`, loading it :mod:`~.loading`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -28,7 +28,7 @@ from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound
 from resilience.checkpoint.staging import StagingBuffers
 from resilience.checkpoint.training_state import TrainingState
 from resilience.checkpoint.world_size import world_size_problem
-from resilience.checkpoint.writer import Part, remove_leftovers, save_checkpoint
+from resilience.checkpoint.writer import Part, failure, phase, publish, raise_publish_verdict, remove_leftovers, write_checkpoint
 from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
 from resilience.state.batch_size import epoch_complete
@@ -64,30 +64,19 @@ class Checkpointer:
     raise its failure, on every rank alike.
     """
 
-    def __init__(
-        self,
-        config: CheckpointConfig,
-        ctx: DistContext,
-        *,
-        state: TrainingState,
-        scheduler: StepScheduler,
-        timer: RunTimer | None = None,
-        global_batch_size: int | None = None,
-        run_config: dict[str, Any] | None = None,
-        run_id: str | None = None,
-    ):
+    def __init__(self, config: CheckpointConfig, ctx: DistContext, *, state: TrainingState, scheduler: StepScheduler,
+                 timer: RunTimer | None = None, global_batch_size: int | None = None, run_config: dict[str, Any] | None = None,
+                 run_id: str | None = None):
         self.config = config
         self.ctx = ctx
         self.state = state
         self.scheduler = scheduler
         self.timer = timer
         self.global_batch_size = global_batch_size
-        """Samples per optimizer step over all ranks (``None`` when unknown), recorded in every checkpoint."""
         self.root = Path(config.checkpoint_dir).absolute()
         self.run_config = run_config or {}
         self.run_id = run_id
-        """This run's id (retention's ``save_max`` tells this run's checkpoints by it): set by
-        :meth:`_run_id` at the first save, unless given."""
+        """This run's id (``save_max`` tells this run's checkpoints by it); see :meth:`_run_id`."""
         self._resumed_run_id: str | None = None
         self.last_saved_step: int | None = None
         self.last_saved_reason: str | None = None
@@ -200,13 +189,24 @@ class Checkpointer:
         self.last_saved_step, self.last_saved_reason = step, reason
         self.training_rows = [row for row in self.training_rows if row.get("global_step", 0) > step]
         self.validation = {s: m for s, m in self.validation.items() if s > step}
-
-        def write_and_publish(ctx: DistContext) -> Path:
-            return save_checkpoint(ctx, self.root, name, parts, meta, after_publish=lambda final: self._after_publish(final, value))
-
         if self._async is None:
-            return write_and_publish(self.ctx)
-        self._async.submit(lambda: write_and_publish(self._async_ctx), description=name)
+            return self._write(self.ctx, name, parts, meta, value)
+        self._async.submit(functools.partial(self._write, self._async_ctx, name, parts, meta, value), description=name)
+        return self.root / name
+
+    def _write(self, ctx: DistContext, name: str, parts: list[Part], meta: dict[str, Any], value: float | None) -> Path:
+        """Write, publish, then move the other pointers and apply retention; a collective over
+        ``ctx`` (the background writer's group for an asynchronous save, run in its thread).
+        Returns the published directory; raises ``CheckpointSaveError`` on every rank when any
+        step failed anywhere (``LATEST`` is then unchanged, unless only the steps after it failed)."""
+        records = write_checkpoint(ctx, self.root, name, parts)  # every rank's files durable, or raise
+        error = None
+        if ctx.rank == 0:
+            error = failure(publish, self.root, name, records, meta)  # manifest, rename, LATEST
+            if error is None:
+                after = failure(self._after_publish, self.root / name, value)
+                error = after and f"after publishing (the checkpoint itself is published): {after}"
+        raise_publish_verdict(ctx, name, error)
         return self.root / name
 
     def _run_id(self) -> str:
@@ -254,6 +254,7 @@ class Checkpointer:
 
     def _after_publish(self, final: Path, value: float | None) -> None:
         """Rank 0, once ``LATEST`` names ``final``: move ``LOWEST_VAL``, then apply retention."""
+        phase("after_publish")
         self.lowest_val.consider(final, value)
         keep = self.config.max_recent_checkpoints if self.config.max_recent_checkpoints is not None else self.config.save_max
         if keep is not None:

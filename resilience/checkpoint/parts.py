@@ -1,7 +1,9 @@
 """What goes into a checkpoint: the :class:`~resilience.checkpoint.writer.Part` list of one save.
 
 Every value is captured when the list is built; the parts only write it (in the background for
-an asynchronous save), so training may change the live objects as soon as the list exists.
+an asynchronous save), so training may change the live objects as soon as the list exists. A
+part is data: a plain function of this module or a format module, and the captured values it is
+called with.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def checkpoint_parts(
         tensors, skeleton = optim_io.capture_optimizer(state.model, state.optimizer)
         if buffers is not None:
             tensors = buffers.copy_in(tensors, prefix="optim.")
-        parts.append(Part("optimizer", lambda d: optim_io.save_optimizer(d, (tensors, skeleton), rank=rank, group=group), collective=True))
+        parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), {"rank": rank, "group": group}, collective=True))
     parts.append(_model_part(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers))  # every rank writes its shard
     if rank == 0:
         if state.lr_scheduler is not None:
@@ -69,11 +71,11 @@ def checkpoint_parts(
         parts.append(_json_part("config", CONFIG, yaml.safe_dump(run_config, sort_keys=False)))
         for key, obj in state.extra.items():
             extra = copy.deepcopy(obj.state_dict())
-            parts.append(Part(f"extra.{key}", lambda d, extra=extra, key=key: save_extra_state(d, key, extra)))
+            parts.append(Part(f"extra.{key}", save_extra_state, (key, extra)))
         parts.append(_json_part("common", COMMON, json.dumps(_common(state, scheduler, global_batch_size))))
         parts.append(_json_part("losses", LOSSES, json.dumps(_losses(scheduler.global_step, training_rows, validation))))
     rng = capture_rng_state()
-    parts.append(Part("rng", lambda d: _write_rng(d, rank, rng)))
+    parts.append(Part("rng", _write_rng, (rank, rng)))
     if state.dataloader is not None:
         position = data_position_json(state.dataloader, scheduler.batches_in_epoch)
         parts.append(_json_part("dataloader", dataloader_rank_file(rank), position))
@@ -97,7 +99,7 @@ def _model_part(state: TrainingState, reason: str, *, config: CheckpointConfig, 
         # reads the live weights); the background part only moves them into the checkpoint.
         held = root / f"{TRASH_PREFIX}adapter_{uuid.uuid4().hex[:8]}"  # cleaned up at start if left
         written = model_io.save_model(held, state.model, rank=ctx.rank, tokenizer=state.tokenizer) if ctx.rank == 0 else []
-        return Part("model", lambda d: _move_in(held, d, written))
+        return Part("model", _move_in, (held, written))
     tensors = get_model_state_dict(state.model)
     # Tied keys are found on the live tensors (a snapshot's separate copies no longer share) and
     # are neither copied nor written: the tensor is stored once, the tie recorded.
@@ -106,11 +108,9 @@ def _model_part(state: TrainingState, reason: str, *, config: CheckpointConfig, 
     if buffers is not None:
         tensors = buffers.copy_in(tensors, prefix="model.")
     return Part(
-        "model",
-        lambda d: model_io.save_model(
-            d, state.model, rank=ctx.rank, world_size=ctx.world_size, group=group,
-            save_format=fmt, consolidated=consolidated, tokenizer=state.tokenizer, state_dict=tensors, aliases=aliases,
-        ),
+        "model", model_io.save_model, (state.model,),
+        {"rank": ctx.rank, "world_size": ctx.world_size, "group": group, "save_format": fmt, "consolidated": consolidated,
+         "tokenizer": state.tokenizer, "state_dict": tensors, "aliases": aliases},
         collective=fmt == "torch_save",
     )
 
@@ -156,7 +156,7 @@ def _losses(step: int, training_rows: list[dict[str, Any]], validation: dict[int
 
 def _json_part(name: str, rel: str, text: str) -> Part:
     """A part writing ``text`` (captured already) to ``rel``."""
-    return Part(name, lambda d: _write_text(d, rel, text))
+    return Part(name, _write_text, (rel, text))
 
 
 def _write_text(directory: Path, rel: str, text: str) -> list[str]:
@@ -173,7 +173,7 @@ def _write_rng(directory: Path, rank: int, captured: Any) -> list[str]:
     return [rel]
 
 
-def _move_in(held: Path, directory: Path, written: list[str]) -> list[str]:
+def _move_in(directory: Path, held: Path, written: list[str]) -> list[str]:
     """Move files written ahead of the save (``held/<rel>``) into the staging directory."""
     for rel in written:
         (directory / rel).parent.mkdir(parents=True, exist_ok=True)

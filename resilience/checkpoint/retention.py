@@ -18,7 +18,7 @@ checkpoints saved by the current run count and are removed (``run_id`` is the ma
 ``meta.run_id``); checkpoints of other runs sharing the directory are left alone.
 
 Callers run :func:`prune` only after the new checkpoint is published and its pointers moved
-(the writer's ``after_publish``), so a failed save never removes anything.
+(``Checkpointer.save``, after the writer's publish returned), so a failed save never removes anything.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""The save path, top to bottom: stage, write + fsync on every rank, manifest, rename, ``LATEST``.
+"""Writing and publishing a checkpoint: stage, write + fsync on every rank, manifest, rename, ``LATEST``.
+
+:meth:`Checkpointer.save <resilience.checkpoint.checkpointer.Checkpointer.save>` calls them in order
+(:func:`write_checkpoint`, then :func:`publish` on rank 0, then its own pointers and retention,
+then :func:`raise_publish_verdict`):
 
 1. Rank 0 creates ``.staging_<name>/`` (a leftover from a crash is removed first).
 2. Every rank runs its parts (model, optimizer, RNG, data position, ...), fsyncs and digests
@@ -7,8 +11,8 @@
    no peer is left waiting in them.
 3. The file lists and errors are all-gathered: one failure anywhere raises on every rank.
 4. Rank 0 writes ``manifest.json`` last, fsyncs every directory, renames the staging directory
-   into place, fsyncs the root, and only then swaps ``LATEST``. Its success or failure is
-   all-gathered too.
+   into place, fsyncs the root, and only then swaps ``LATEST``. Its success or failure (and that
+   of the steps after it: ``LOWEST_VAL``, retention) is all-gathered too.
 
 A failure at any point leaves the previous checkpoint and ``LATEST`` untouched.
 """
@@ -46,27 +50,32 @@ class CheckpointSaveError(RuntimeError):
     """A save failed on at least one rank. Raised on every rank; ``LATEST`` was not moved."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Part:
-    """One piece of a checkpoint: ``write(staging_dir) -> [files written]``, each a path relative
-    to the staging directory (fsync'd and digested afterwards by reading it back) or a
-    :class:`FileRecord` of a file already fsync'd and digested while it was written.
+    """One piece of a checkpoint on this rank, as data: ``write(staging_dir, *args, **kwargs)``, a
+    plain function, with the values it writes (captured when the part was made) in ``args`` and
+    ``kwargs``. It returns the files it wrote, each a path relative to the staging directory
+    (fsync'd and digested afterwards by reading it back) or a :class:`FileRecord` of a file
+    already fsync'd and digested while it was written.
 
     ``collective`` parts (DCP) must run on every rank in the same order.
     """
 
     name: str
-    write: Callable[[Path], list[str | FileRecord]]
+    write: Callable[..., list[str | FileRecord]]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     collective: bool = False
 
 
 # A test hook: called with the phase name before each filesystem step of the save
-# ("staging", "parts", "manifest", "rename", "pointer"). Fault tests use it to fail one step on
-# one rank; it is None in normal runs.
+# ("staging", "parts", "manifest", "rename", "pointer", "after_publish"). Fault tests use it to
+# fail one step on one rank; it is None in normal runs.
 fault_hook: Callable[[str], None] | None = None
 
 
-def _phase(name: str) -> None:
+def phase(name: str) -> None:
+    """Call :data:`fault_hook` (when set) before step ``name`` of a save."""
     if fault_hook is not None:
         fault_hook(name)
 
@@ -85,32 +94,21 @@ def _describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
 
 
-def save_checkpoint(
-    ctx: DistContext,
-    root: Path,
-    name: str,
-    parts: list[Part],
-    meta: dict[str, Any],
-    *,
-    after_publish: Callable[[Path], None] | None = None,
-) -> Path:
-    """Write and publish checkpoint ``root/name``; a collective over ``ctx`` (every rank calls it).
+def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part]) -> list[FileRecord]:
+    """Steps 1 to 3: stage ``root/.staging_<name>/``, write every rank's ``parts`` into it, fsync'd
+    and digested, and all-gather the file lists; a collective over ``ctx`` (every rank calls it).
 
-    ``after_publish(final_dir)`` runs on rank 0 once ``LATEST`` names the new checkpoint (other
-    pointers such as ``LOWEST_VAL``, then retention); its failure raises on every rank like any
-    other publishing step, but the new checkpoint stays published.
-
-    Returns the published directory. Raises :class:`CheckpointSaveError` on every rank when any
-    rank fails at any step; the previous checkpoint and ``LATEST`` are then left as they were.
+    Returns every rank's file records (rank 0 publishes them with :func:`publish`). Raises
+    :class:`CheckpointSaveError` on every rank when any rank failed; the staging directory is
+    then removed and the previous checkpoint and ``LATEST`` are left as they were.
     """
     staging = root / f"{STAGING_PREFIX}{name}"
-    final = root / name
 
     # 1. staging directory (rank 0)
     error = None
     if ctx.rank == 0:
         try:
-            _phase("staging")
+            phase("staging")
             if staging.exists():
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
@@ -126,32 +124,46 @@ def save_checkpoint(
         if ctx.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    return [rec for recs in gathered for rec in recs]
 
-    # 3. publish (rank 0): manifest last, fsync directories, rename, fsync root, then LATEST
-    error = None
-    if ctx.rank == 0:
-        try:
-            _phase("manifest")
-            all_records = [rec for recs in gathered for rec in recs]
-            write_manifest(staging, all_records, meta)
-            for dirpath, _, _ in os.walk(staging):
-                fsync_dir(Path(dirpath))
-            _phase("rename")
-            _rename_into_place(root, staging, final, parent=meta.get("parent"))
-            _phase("pointer")
-            write_pointer(root, LATEST, final)
-        except _FAILURES as exc:  # noqa: BLE001
-            error = _describe(exc)
-            # Not left for the next start: a failed save must not hold a checkpoint's worth of disk.
-            shutil.rmtree(staging, ignore_errors=True)
-        if error is None and after_publish is not None:
-            try:
-                _phase("after_publish")
-                after_publish(final)
-            except _FAILURES as exc:  # noqa: BLE001
-                error = f"after publishing (the checkpoint itself is published): {_describe(exc)}"
-    ctx.gather_or_raise(error, fail=_failed(name, "publishing"))
+
+def publish(root: Path, name: str, records: list[FileRecord], meta: dict[str, Any]) -> Path:
+    """Step 4, rank 0, once every rank's files are durable (:func:`write_checkpoint`): the manifest
+    last, fsync every directory, rename into place, fsync the root, then ``LATEST``. Returns the
+    published directory. Raises what failed, after removing the staging directory (a failed save
+    must not hold a checkpoint's worth of disk); ``LATEST`` then still names the previous one.
+    """
+    staging = root / f"{STAGING_PREFIX}{name}"
+    final = root / name
+    try:
+        phase("manifest")
+        write_manifest(staging, records, meta)
+        for dirpath, _, _ in os.walk(staging):
+            fsync_dir(Path(dirpath))
+        phase("rename")
+        _rename_into_place(root, staging, final, parent=meta.get("parent"))
+        phase("pointer")
+        write_pointer(root, LATEST, final)
+    except _FAILURES:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return final
+
+
+def failure(fn: Callable[..., Any], *args: Any) -> str | None:
+    """Run ``fn(*args)``: ``None``, or the one-line description of its failure (for
+    :meth:`DistContext.gather_or_raise`, which raises it on every rank)."""
+    try:
+        fn(*args)
+    except _FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+        return _describe(exc)
+    return None
+
+
+def raise_publish_verdict(ctx: DistContext, name: str, error: str | None) -> None:
+    """The last collective of a save: every rank raises :class:`CheckpointSaveError` when rank 0's
+    publishing (``error``) failed."""
+    ctx.gather_or_raise(error, fail=_failed(name, "publishing"))
 
 
 def _write_parts(staging: Path, parts: list[Part]) -> tuple[list[FileRecord], str | None]:
@@ -186,12 +198,12 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
             break
         try:
             try:
-                _phase("parts")
+                phase("parts")
             except _FAILURES as exc:
                 if stop_at_error:
                     raise
                 error = error or f"{part.name}: {_describe(exc)}"
-            for written in part.write(staging):
+            for written in part.write(staging, *part.args, **part.kwargs):
                 if isinstance(written, FileRecord):  # digested while written, and fsync'd
                     records.append(written)
                 else:  # written by a library that hides its bytes: fsync, then read back
