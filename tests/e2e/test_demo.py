@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "digits" / "demo.py"
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "digits" / "demo.py"
 
 
 @pytest.mark.multiproc

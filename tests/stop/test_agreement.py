@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 
 # name -> (every_steps, {rank: (step the flag is passed at, reason code)}, steps to run, stop step

@@ -15,7 +15,7 @@ import pytest
 from resilience.exit_codes import ExitCode
 from resilience.launch import launch
 
-TINY = Path(__file__).parent / "helpers" / "tiny_train.py"
+TINY = Path(__file__).resolve().parents[1] / "helpers" / "tiny_train.py"
 
 pytestmark = pytest.mark.multiproc
 

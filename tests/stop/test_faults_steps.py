@@ -25,7 +25,7 @@ from resilience.config import load_config
 from resilience.launch import launch
 from runs import compare
 
-HELPER = Path(__file__).resolve().parent / "helpers" / "phase_train.py"  # 20 steps, a save every 4
+HELPER = Path(__file__).resolve().parents[1] / "helpers" / "phase_train.py"  # 20 steps, a save every 4
 EXIT_BOUND_S = 20.0  # the last rank exits at most this long after the first (no rank hangs)
 
 

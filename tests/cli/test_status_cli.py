@@ -31,8 +31,8 @@ from resilience.state.step_scheduler import StepScheduler
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-REPO = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).resolve().parent / "golden"
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
 VAL = {2: 0.9, 4: 0.3, 6: 0.5, 8: 0.4, 10: 0.35}
 TIMINGS = {2: (None, None), 4: (0.2, None), 6: (0.25, 2.0), 8: (0.3, 3.0), 10: (0.2, 2.5)}

@@ -19,7 +19,7 @@ from resilience.launch import launch
 from resilience.state.step_scheduler import StepScheduler
 from runs import CONFIG, compare, latest_name, run
 
-HELPERS = Path(__file__).resolve().parent / "helpers"
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 SHORT = ["step_scheduler.num_epochs=3", "step_scheduler.ckpt_every_steps=20"]
 ASYNC = ["checkpoint.is_async=true"]
 

@@ -16,7 +16,7 @@ from resilience.checkpoint.manifest import validate
 from resilience.launch import launch
 
 pytestmark = pytest.mark.multiproc
-TINY = Path(__file__).resolve().parent / "helpers" / "tiny_train.py"
+TINY = Path(__file__).resolve().parents[1] / "helpers" / "tiny_train.py"
 
 
 def run_tiny(ckpt_dir, nproc=2, env=None, overrides=(), timeout=90):

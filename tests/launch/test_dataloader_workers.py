@@ -24,37 +24,10 @@ from resilience.checkpoint.manifest import validate
 from resilience.state.worker_signals import ShieldedWorkerInit, shield_dataloader_workers
 from runs import compare, latest_name
 from slurm_cluster import pid_alive
+from worker_runs import TOTAL_STEPS, finish, launch_run, run_to_end, worker_env
 
 pytestmark = pytest.mark.multiproc
-HELPER = Path(__file__).resolve().parent / "helpers" / "worker_train.py"
 PAUSE_STEP = 3
-TOTAL_STEPS = 20
-
-
-def _env(loader: str, persistent: bool, **extra: str) -> dict:
-    return {**os.environ, "LOADER": loader, "NUM_WORKERS": "2", "PERSISTENT": "1" if persistent else "0",
-            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
-
-
-def _launch(ckpt: Path, events: Path, env: dict, pid_file: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "resilience", "run", "-n", "2", "--pid-file", str(pid_file), str(HELPER), str(ckpt), str(events)]
-    # A session of its own: the test can signal the process group like slurmstepd does.
-    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"the run did not finish in {timeout} s:\n{out}") from None
-    return proc.returncode, out
-
-
-def _run_to_end(ckpt: Path, events: Path, env: dict) -> tuple[int, str]:
-    events.mkdir(parents=True)
-    return _finish(_launch(ckpt, events, env, events / "pids"))
 
 
 def _worker_pids(events: Path) -> list[int]:
@@ -81,7 +54,7 @@ def reference(tmp_path_factory) -> Path:
     """One uninterrupted run: the data order comes from the sampler in the rank, so every loader
     kind, with or without persistent workers, must train exactly like it."""
     root = tmp_path_factory.mktemp("reference")
-    code, out = _run_to_end(root / "ck", root / "events", _env("plain", False))
+    code, out = run_to_end(root / "ck", root / "events", worker_env("plain", False))
     assert code == ExitCode.DONE, out
     return root / "ck"
 
@@ -106,11 +79,11 @@ def test_a_signal_to_the_process_group_with_dataloader_workers_saves_the_agreed_
     tmp_path, reference, loader, persistent, sig, target
 ):
     ckpt, events, pid_file = tmp_path / "ck", tmp_path / "events", tmp_path / "pids"
-    proc = _launch(ckpt, events, _env(loader, persistent, PAUSE_AT_STEP=str(PAUSE_STEP)), pid_file)
+    proc = launch_run(ckpt, events, worker_env(loader, persistent, PAUSE_AT_STEP=str(PAUSE_STEP)), pid_file)
     try:
         deadline = time.monotonic() + 90
         while not all((events / f"paused_{r}").exists() for r in (0, 1)):
-            assert proc.poll() is None and time.monotonic() < deadline, _finish(proc)[1]
+            assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[1]
             time.sleep(0.02)
         assert len(_worker_pids(events)) == 4, "each rank's 2 workers ran the user's worker_init_fn"
         signum = signal.Signals[f"SIG{sig}"]
@@ -120,7 +93,7 @@ def test_a_signal_to_the_process_group_with_dataloader_workers_saves_the_agreed_
             os.kill(_rank_pid(pid_file, 1), signum)
         time.sleep(0.3)  # the signal is in before the ranks go on
         (events / "release").touch()
-        code, out = _finish(proc)
+        code, out = finish(proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -135,7 +108,7 @@ def test_a_signal_to_the_process_group_with_dataloader_workers_saves_the_agreed_
     _assert_no_worker_left(events, out)
 
     resumed_events = tmp_path / "events2"
-    code, out = _run_to_end(ckpt, resumed_events, _env(loader, persistent))
+    code, out = run_to_end(ckpt, resumed_events, worker_env(loader, persistent))
     assert code == ExitCode.DONE, out
     _assert_no_worker_left(resumed_events, out)
     result = compare(ckpt, reference)

@@ -16,7 +16,7 @@ import pytest
 from resilience.signals import DEFAULT_PREEMPTION_SIGNAL, SignalRecorder, parse_preemption_signal
 
 S = signal.Signals
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = "step_scheduler.preemption_signal"
 
 

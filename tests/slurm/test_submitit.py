@@ -24,11 +24,12 @@ from resilience.submitit import ResilientTask, TaskExitError, exit_code_of, subm
 from runs import CONFIG, TRAIN, _rows, compare
 from slurm_cluster import pid_alive, slurm_cluster  # noqa: F401  (session fixture, used by name)
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parent  # this module, imported by name in the job processes
+SHARED_DIR = TESTS_DIR.parent  # slurm_cluster.py, which this module imports
 STEPS_PER_EPOCH = 22  # digits: 1437 training rows, global batch 64, drop_last
 
 
-# -- training functions the submitit jobs run (imported by name: tests/ is on the job's PYTHONPATH)
+# -- training functions the submitit jobs run (imported by name: tests/slurm/ is on the job's PYTHONPATH)
 def _register_attempt(marker_dir: str) -> int:
     """Write this process's pid to ``marker_dir/pid.<attempt>`` (atomically); return the attempt."""
     d = Path(marker_dir)
@@ -116,7 +117,7 @@ def _preempted_steps(log: str) -> list[int]:
 @pytest.fixture
 def local_job_env(monkeypatch):
     """The job processes import this module by name, and run one thread like the reference."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), str(SHARED_DIR), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 

@@ -13,16 +13,14 @@ from __future__ import annotations
 import re
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from resilience import cli
 from runs import compare
-from test_dataloader_workers import TOTAL_STEPS, _env, _run_to_end
+from worker_runs import HELPER, TOTAL_STEPS, run_to_end, worker_env
 
 pytestmark = pytest.mark.slurm
-HELPER = Path(__file__).resolve().parent / "helpers" / "worker_train.py"
 LINE_RE = re.compile(r"rank (\d+): exit (\d+), resumed from (\S+), stop step (\S+)")
 
 
@@ -83,7 +81,7 @@ def test_scancel_signal_term_to_a_job_step_with_dataloader_workers_saves_requeue
     assert "training done; exit 0" in text
 
     reference = tmp_path / "reference"
-    code, out = _run_to_end(reference / "ck", reference / "events", _env("plain", True))
+    code, out = run_to_end(reference / "ck", reference / "events", worker_env("plain", True))
     assert code == 0, out
     result = compare(ckpt, reference / "ck")
     assert result.identical and result.steps == TOTAL_STEPS, result.detail

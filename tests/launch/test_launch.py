@@ -487,7 +487,7 @@ def test_a_program_that_cannot_start_is_a_config_error(tmp_path, cli):
 def test_a_stop_signal_the_ranks_do_not_handle_is_sent_as_one_they_do(tmp_path, cli):
     """Slurm sends USR1 but the run's preemption_signal is TERM only: the launcher must not kill
     the ranks with USR1; it sends TERM, which they handle, and they stop cleanly (75)."""
-    tiny = Path(__file__).parent / "helpers" / "tiny_train.py"
+    tiny = Path(__file__).resolve().parents[1] / "helpers" / "tiny_train.py"
     ckpt = tmp_path / "ck"
     launcher = cli("--nproc-per-node", "2", str(tiny), str(ckpt), "step_scheduler.num_epochs=10",
                    "step_scheduler.preemption_signal=TERM", env={"SLEEP_PER_STEP_S": "0.02", "OMP_NUM_THREADS": "1"})

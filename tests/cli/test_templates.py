@@ -2,7 +2,7 @@
 
 No Slurm needed: ``render_slurm`` is a pure function of the configuration, so each render is
 compared byte for byte with ``tests/golden/<name>.sub``. After an intended change to the
-templates, regenerate with ``UPDATE_GOLDEN=1 pytest tests/test_templates.py`` and review the diff.
+templates, regenerate with ``UPDATE_GOLDEN=1 pytest tests/cli/test_templates.py`` and review the diff.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from resilience import cli
 from resilience.config import ConfigError, config_from_dict, load_config
 from resilience.templates import SLURM_SIGNALS, render_slurm
 
-REPO = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).resolve().parent / "golden"
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 TEMPLATES = REPO / "templates"
 
 BASE = {

@@ -17,35 +17,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
-from resilience import cli, resilient_loop
+from resilience import cli
 from resilience.checkpoint import CheckpointNotFound
 from resilience.config import ConfigError, load_config
 from resilience.launch import launch
+from tiny_runs import attempt  # the tiny training run under a config
 
-HELPER = Path(__file__).resolve().parent / "helpers" / "phase_train.py"
+HELPER = Path(__file__).resolve().parents[1] / "helpers" / "phase_train.py"
 SIGNAL_FORMS = "a signal name (case-insensitive, with or without SIG"
-
-
-def attempt(config: dict) -> tuple[BaseException | None, list[int]]:
-    """Train a tiny model under ``config``: (the exception raised or None, the steps that ran)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    batches = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(4)]
-    ran: list[int] = []
-    try:
-        loop = resilient_loop(config, model=model, optimizer=optimizer, dataloader=batches)
-        with loop:
-            for step in loop:
-                x, y = step.batch
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                optimizer.step()
-                ran.append(step.global_step)
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return exc, ran
-    return None, ran
 
 
 def _with_dir(config: dict, ckpt: Path) -> dict:

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilience import ExitCode, progress_guard, resilient_loop
+from resilience import ExitCode, progress_guard
 from resilience.checkpoint.manifest import validate
 from resilience.launch import launch
 from resilience.timing import RunTimer, lead_time_warning, must_stop
 from runs import final_weights
+from tiny_runs import train_xy
 
-TINY = Path(__file__).resolve().parent / "helpers" / "tiny_train.py"
+TINY = Path(__file__).resolve().parents[1] / "helpers" / "tiny_train.py"
 
 
 class FakeClock:
@@ -68,20 +69,8 @@ def test_lead_time_warning_fires_only_when_the_lead_is_too_short():
 
 
 def _loop(tmp_path, batches=30, **step_scheduler):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = {"checkpoint": {"checkpoint_dir": str(tmp_path)}, "step_scheduler": {"ckpt_every_steps": 5, **step_scheduler}}
-    data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(batches)]
-    loop = resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=data)
-    with loop:
-        for step in loop:
-            x, y = step.batch
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    return loop
+    return train_xy(cfg, batches=batches)
 
 
 def test_lead_time_warning_in_the_loop_after_the_first_save(tmp_path, monkeypatch, caplog):

@@ -43,7 +43,7 @@ from slurm_cluster import SlurmCluster, pid_alive
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DIGITS_YAML = REPO / "templates" / "digits.yaml"
 TRAIN = REPO / "examples" / "digits" / "train.py"
 

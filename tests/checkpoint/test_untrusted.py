@@ -16,7 +16,7 @@ from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler
 
-PACKAGE = Path(__file__).resolve().parents[1] / "resilience"
+PACKAGE = Path(__file__).resolve().parents[2] / "resilience"
 
 
 class _Payload:

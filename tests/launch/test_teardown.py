@@ -13,7 +13,7 @@ from resilience import ExitCode
 from resilience.launch import launch
 
 pytestmark = pytest.mark.multiproc
-SCRIPT = Path(__file__).resolve().parent / "helpers" / "ddp_no_teardown.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "ddp_no_teardown.py"
 
 
 @pytest.mark.timeout(300)

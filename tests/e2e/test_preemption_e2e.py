@@ -14,7 +14,7 @@ from runs import CONFIG, compare, latest_name, run
 
 pytestmark = pytest.mark.multiproc
 SHORT = ["step_scheduler.num_epochs=3", "step_scheduler.ckpt_every_steps=20"]  # 22 steps per epoch, 66 in all
-KILL_SCRIPT = Path(__file__).resolve().parent / "helpers" / "kill_at_phase.py"
+KILL_SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "kill_at_phase.py"
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from resilience.launch import launch
 from runs import compare
 
 pytestmark = pytest.mark.multiproc
-HELPER = Path(__file__).resolve().parent / "helpers" / "phase_train.py"
+HELPER = Path(__file__).resolve().parents[1] / "helpers" / "phase_train.py"
 STEPS = 20  # 2 epochs x 10 steps per rank; a save every 4 steps, evaluation every 5
 ONE, ALL = (1,), (0, 1)
 
