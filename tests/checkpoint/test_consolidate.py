@@ -24,15 +24,12 @@ from resilience.cli import main as cli_main
 from resilience.config import ConfigError, config_from_dict
 from resilience.launch import launch
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata / DCP single-process notices
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # torchdata / DCP single-process notices
+    pytest.mark.usefixtures("no_launcher_environment"),
+]
 
 ORDINARY = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@pytest.fixture(autouse=True)
-def no_launcher_environment(monkeypatch):
-    for name in [n for n in os.environ if n.startswith("RESILIENCE_")]:
-        monkeypatch.delenv(name)
 
 
 class Mixed(torch.nn.Module):

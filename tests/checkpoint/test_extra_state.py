@@ -4,7 +4,6 @@ registered with the loop comes back after a resume, tensors included, without pi
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -13,13 +12,9 @@ from resilience import resilient_loop
 from resilience.checkpoint import CheckpointSaveError
 from resilience.checkpoint.extra_state import load_extra_state, save_extra_state
 
+pytestmark = pytest.mark.usefixtures("no_launcher_environment")
+
 BATCHES = [torch.full((2, 2), float(i)) for i in range(8)]
-
-
-@pytest.fixture(autouse=True)
-def no_launcher_environment(monkeypatch):
-    for name in [n for n in os.environ if n.startswith(("RESILIENCE_", "SLURM_"))]:
-        monkeypatch.delenv(name)
 
 
 class EMA:

@@ -6,7 +6,6 @@ start. Real processes (2 ranks, gloo), a real size-limited tmpfs.
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,22 +30,9 @@ def run_tiny(ckpt_dir, nproc=2, env=None, overrides=(), timeout=90):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
+def small_fs(tmpfs):
     """A 2 MiB tmpfs: one checkpoint of the tiny model fits, the next does not."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the disk-full test needs root to mount a tmpfs (CI runs as root)")
-        pytest.skip("mounting a size-limited tmpfs needs root")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if result.returncode != 0:
-        reason = f"cannot mount a tmpfs here: {result.stderr.strip()}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return tmpfs("small", "size=2m")
 
 
 def _latest(ckpt):

@@ -39,11 +39,9 @@ VOCAB = 64
 
 
 @pytest.fixture(autouse=True)
-def offline_and_no_launcher(monkeypatch):
+def offline_and_no_launcher(monkeypatch, no_launcher_environment):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    for name in [n for n in os.environ if n.startswith("RESILIENCE_")]:
-        monkeypatch.delenv(name)
 
 
 def tiny_config() -> LlamaConfig:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,9 @@ from resilience.checkpoint.manifest import read_manifest
 from resilience.checkpoint.pointers import read_pointer
 from resilience.config import ConfigError
 
+pytestmark = pytest.mark.usefixtures("no_launcher_environment")
+
 BATCHES = [torch.full((2, 2), float(i)) for i in range(12)]
-
-
-@pytest.fixture(autouse=True)
-def no_launcher_environment(monkeypatch):
-    for name in [n for n in os.environ if n.startswith(("RESILIENCE_", "SLURM_"))]:
-        monkeypatch.delenv(name)
 
 
 class Crash(Exception):

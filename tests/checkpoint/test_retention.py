@@ -20,13 +20,9 @@ from resilience.config import CheckpointConfig, ConfigError, config_from_dict
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler
 
+pytestmark = pytest.mark.usefixtures("no_launcher_environment")
+
 BATCHES = [torch.full((2, 2), float(i)) for i in range(12)]
-
-
-@pytest.fixture(autouse=True)
-def no_launcher_environment(monkeypatch):
-    for name in [n for n in os.environ if n.startswith(("RESILIENCE_", "SLURM_"))]:
-        monkeypatch.delenv(name)
 
 
 def run(root: Path, max_steps: int, *, checkpoint: dict | None = None, val: dict[int, float] | None = None) -> None:

@@ -9,7 +9,6 @@ disk. The Hugging Face side (``from_pretrained`` of a tied bundle) is in ``test_
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -23,15 +22,12 @@ from resilience.checkpoint.layout import LATEST
 from resilience.checkpoint.manifest import validate
 from resilience.checkpoint.safetensors_file import read_safetensors_header
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata / DCP single-process notices
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # torchdata / DCP single-process notices
+    pytest.mark.usefixtures("no_launcher_environment"),
+]
 
 VOCAB, DIM = 11, 6
-
-
-@pytest.fixture(autouse=True)
-def no_launcher_environment(monkeypatch):
-    for name in [n for n in os.environ if n.startswith("RESILIENCE_")]:
-        monkeypatch.delenv(name)
 
 
 class TinyLM(torch.nn.Module):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -22,15 +21,12 @@ from resilience.checkpoint.pointers import read_pointer
 from resilience.config import ConfigError, config_from_dict
 from resilience.distributed import DistContext
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata's set_vital deprecation
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # torchdata's set_vital deprecation
+    pytest.mark.usefixtures("no_launcher_environment"),
+]
 
 BATCHES = [torch.full((2, 2), float(i)) for i in range(12)]
-
-
-@pytest.fixture(autouse=True)
-def no_launcher_environment(monkeypatch):
-    for name in [n for n in os.environ if n.startswith(("RESILIENCE_", "SLURM_"))]:
-        monkeypatch.delenv(name)
 
 
 class MasterCopyAdam(torch.optim.Adam):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -179,17 +178,13 @@ def worker(rank: int, port: int, out_path: str) -> None:
 # --------------------------------------------------------------------------- launcher + tests
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run all scenarios on 2 real gloo ranks; return each rank's JSON report, indexed by rank."""
     tmp = tmp_path_factory.mktemp("agreement")
-    port = _free_port()
+    from resilience.launch import resolve_master_port  # here: the worker mode imports only what it runs
+
+    port = resolve_master_port(None, {})  # a port free on this machine now
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs = [

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -24,19 +23,13 @@ import pytest
 
 from resilience import ExitCode
 from resilience.checkpoint.manifest import validate
-from resilience.launch import launch
+from resilience.launch import launch, resolve_master_port
 from runs import compare
 
 pytestmark = pytest.mark.multiproc
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "phase_train.py"
 STEPS = 20  # 2 epochs x 10 steps per rank; a save every 4 steps, evaluation every 5
 ONE, ALL = (1,), (0, 1)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class TwoNodeRun:
@@ -46,7 +39,7 @@ class TwoNodeRun:
         self.ckpt, self.events_dir = ckpt, events
         cmd = [sys.executable, str(HELPER), str(ckpt), str(events), *overrides]
         env = {"OMP_NUM_THREADS": "1", "PAUSE_AT": ",".join(pause_at)}
-        port = _free_port()
+        port = resolve_master_port(None, {})  # a port free on this machine now
         self._stack = contextlib.ExitStack()
         self.groups = [
             self._stack.enter_context(launch(cmd, 1, nnodes=2, node_rank=r, master_port=port, env=env, kill_grace_s=2.0))

@@ -20,7 +20,10 @@ from resilience.checkpoint.layout import LATEST
 from resilience.checkpoint.manifest import validate
 from resilience.checkpoint.pointers import read_pointer
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata's set_vital deprecation
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # torchdata's set_vital deprecation
+    pytest.mark.usefixtures("no_launcher_environment"),
+]
 
 WATCHED = (signal.SIGTERM, signal.SIGUSR1)
 DATA = torch.arange(20, dtype=torch.float32).reshape(10, 2)
@@ -48,13 +51,6 @@ def train_step(model, optimizer, batch) -> None:
 
 def dispositions() -> dict:
     return {sig: signal.getsignal(sig) for sig in WATCHED}
-
-
-@pytest.fixture(autouse=True)
-def no_launcher_environment(monkeypatch):
-    # A stop file or ready directory from an enclosing launcher would change what the loop does.
-    for name in [n for n in os.environ if n.startswith("RESILIENCE_")]:
-        monkeypatch.delenv(name)
 
 
 @pytest.fixture
