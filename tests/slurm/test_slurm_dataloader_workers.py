@@ -18,18 +18,11 @@ import pytest
 
 from resilience import cli
 from runs import compare
+from slurm_cluster import wait_for
 from worker_runs import HELPER, TOTAL_STEPS, run_to_end, worker_env
 
 pytestmark = pytest.mark.slurm
 LINE_RE = re.compile(r"rank (\d+): exit (\d+), resumed from (\S+), stop step (\S+)")
-
-
-def _wait(predicate, timeout: float, what: str, detail=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} after {timeout} s\n{detail()}")
-        time.sleep(0.1)
 
 
 @pytest.mark.timeout(300)
@@ -58,7 +51,7 @@ def test_scancel_signal_term_to_a_job_step_with_dataloader_workers_saves_requeue
         return "".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("out-*.txt")))
 
     try:
-        _wait(lambda: all((events / f"paused_{r}").exists() for r in (0, 1)), 120, "ranks paused in step 3", log)
+        wait_for(lambda: all((events / f"paused_{r}").exists() for r in (0, 1)), 120, "ranks paused in step 3", log)
         assert len(list(events.glob("worker_*"))) == 4, log()
         slurm_cluster.run(["scancel", "--signal=TERM", job])  # the job's steps: ranks and workers, not the batch shell
         time.sleep(1.0)

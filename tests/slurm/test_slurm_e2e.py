@@ -39,7 +39,7 @@ import pytest
 
 import runs  # examples/digits/runs.py (conftest puts it on sys.path)
 from resilience import cli
-from slurm_cluster import SlurmCluster, pid_alive
+from slurm_cluster import SlurmCluster, pid_alive, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -57,17 +57,6 @@ STEP_RE = re.compile(r"rank (\d+): preempted, saved step (\d+)")
 
 # --------------------------------------------------------------------------------------------
 # Helpers
-
-
-def _wait(predicate: Callable[[], object], timeout: float, what: str, detail: Callable[[], str] = lambda: "") -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} after {timeout} s\n{detail()}")
-        time.sleep(0.1)
 
 
 def _steps_logged(ckpt_dir: Path) -> int:
@@ -91,10 +80,10 @@ class Job:
         return "".join(p.read_text(errors="replace") for p in sorted(self.dir.glob("out-*.txt")))
 
     def wait_log(self, pattern: str, timeout: float) -> re.Match:
-        return _wait(lambda: re.search(pattern, self.log(), re.M), timeout, f"/{pattern}/ in the log of job {self.id}", self.log)
+        return wait_for(lambda: re.search(pattern, self.log(), re.M), timeout, f"/{pattern}/ in the log of job {self.id}", self.log)
 
     def wait_steps(self, n: int, timeout: float) -> int:
-        return _wait(lambda: _steps_logged(self.ckpt) >= n and _steps_logged(self.ckpt), timeout, f"{n} steps of job {self.id}", self.log)
+        return wait_for(lambda: _steps_logged(self.ckpt) >= n and _steps_logged(self.ckpt), timeout, f"{n} steps of job {self.id}", self.log)
 
     def scancel_usr1(self) -> None:
         self.cluster.run(["scancel", "--batch", "--signal=USR1", self.id])
@@ -245,7 +234,7 @@ def scenario_check_probe(c: Campaign) -> float:
     job = c.cluster1.sbatch(probe, "--time=1", "--signal=B:USR1@50", "-o", str(d / "probe.out"), "-c", "1", cwd=d)
     c.track(c.cluster1, job)
     out = d / "probe.out"
-    match = _wait(lambda: out.exists() and re.search(r"^usr1 ([\d.]+)$", out.read_text(), re.M), 60, "the probe's warning")
+    match = wait_for(lambda: out.exists() and re.search(r"^usr1 ([\d.]+)$", out.read_text(), re.M), 60, "the probe's warning")
     return float(match.group(1)) - time.time() + time.monotonic()  # same machine, same clock
 
 

@@ -22,7 +22,7 @@ import submitit_launch
 from resilience import ExitCode
 from resilience.submitit import ResilientTask, TaskExitError, exit_code_of, submitit_preemption_signal
 from runs import CONFIG, TRAIN, _rows, compare
-from slurm_cluster import pid_alive, slurm_cluster  # noqa: F401  (session fixture, used by name)
+from slurm_cluster import pid_alive, slurm_cluster, wait_for  # noqa: F401  (session fixture, used by name)
 
 TESTS_DIR = Path(__file__).resolve().parent  # this module, imported by name in the job processes
 SHARED_DIR = TESTS_DIR.parent  # slurm_cluster.py, which this module imports
@@ -61,17 +61,6 @@ class _Result:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def _wait_for(predicate, timeout: float, what: str, poll: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {timeout} s")
-        time.sleep(poll)
-
-
 def _read_pid(marker_dir: Path, attempt: int) -> int | None:
     path = marker_dir / f"pid.{attempt}"
     return int(path.read_text()) if path.exists() else None
@@ -79,7 +68,7 @@ def _read_pid(marker_dir: Path, attempt: int) -> int | None:
 
 def _job_result(job: submitit.Job, timeout: float):
     """job.result(), bounded: a requeue loop or a lost job fails the test instead of hanging it."""
-    _wait_for(job.done, timeout, f"submitit job {job.job_id} done", poll=0.5)
+    wait_for(job.done, timeout, f"submitit job {job.job_id} done", poll=0.5)
     return job.result()
 
 
@@ -166,8 +155,8 @@ def test_signal_during_training_saves_that_step_then_requeues_and_resumes_exactl
         fn=functools.partial(digits_with_pid, str(markers)),
     )
     try:
-        pid0 = _wait_for(lambda: _read_pid(markers, 0), 60, "attempt 0 started")
-        _wait_for(lambda: len(_rows(ck)) >= 200, 60, "200 steps logged")
+        pid0 = wait_for(lambda: _read_pid(markers, 0), 60, "attempt 0 started", poll=0.02)
+        wait_for(lambda: len(_rows(ck)) >= 200, 60, "200 steps logged", poll=0.02)
         signalled_at = len(_rows(ck))
         os.kill(pid0, submitit.JobEnvironment._usr_sig())  # what Slurm's --signal=USR2@N does
         assert _job_result(job, 90) == 0
@@ -195,12 +184,12 @@ def test_signal_before_the_loop_is_requeued_by_submitit_at_once(tmp_path, local_
         fn=functools.partial(pause_first_attempt_then_digits, str(markers)),
     )
     try:
-        pid0 = _wait_for(lambda: _read_pid(markers, 0), 60, "attempt 0 started")
+        pid0 = wait_for(lambda: _read_pid(markers, 0), 60, "attempt 0 started", poll=0.02)
         os.kill(pid0, submitit.JobEnvironment._usr_sig())
         sent = time.monotonic()
         # No resilient_loop is recording: the gate hands the signal to submitit's handler, which
         # requeues at once (a swallowed signal would leave attempt 0 idling for 30 s).
-        _wait_for(lambda: not pid_alive(pid0), 10, "attempt 0 ended by submitit's requeue")
+        wait_for(lambda: not pid_alive(pid0), 10, "attempt 0 ended by submitit's requeue", poll=0.02)
         assert time.monotonic() - sent < 10
         assert _job_result(job, 90) == 0
     finally:
@@ -250,7 +239,7 @@ def test_slurm_time_limit_signal_saves_requeues_and_resumes_exactly(slurm_cluste
         def requeued() -> bool:
             return job.done() or int(slurm_cluster.job_info(job.job_id).get("Restarts") or 0) >= 1
 
-        _wait_for(requeued, 90, f"job {job.job_id} requeued (or done)", poll=0.2)
+        wait_for(requeued, 90, f"job {job.job_id} requeued (or done)", poll=0.2)
         t_requeued = time.monotonic() - t0
         if not job.done():
             # Only to keep the test short: the resumed run keeps the 1-minute limit and would be
