@@ -1,6 +1,17 @@
+"""Shared fixtures: a launcher-free environment, size-limited tmpfs mounts, the local Slurm cluster.
+
+Shared runners and readers live next to this file as importable modules (``tiny_runs``,
+``sample_runs``, ``worker_runs``, ``slurm_cluster``); the scripts that tests run as ranks live in
+``helpers/``. Test files sit in a folder per package part (``checkpoint/``, ``config/``, ``launch/``,
+``stop/``, ``state/``, ``cli/``, ``slurm/``) plus ``e2e/``.
+"""
+
 import os
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "digits"))
@@ -8,3 +19,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from slurm_cluster import slurm_cluster, slurm_cluster_2nodes  # noqa: E402,F401  (session fixtures)
+
+
+@pytest.fixture
+def no_launcher_environment(monkeypatch):
+    """No ``RESILIENCE_*`` or ``SLURM_*`` variable from an enclosing launcher or job: a stop file, a
+    ready directory or a job id would change what the loop does. Used by name (``usefixtures``)."""
+    for name in [n for n in os.environ if n.startswith(("RESILIENCE_", "SLURM_"))]:
+        monkeypatch.delenv(name)
+
+
+def _unusable(reason: str):
+    """A mount the machine cannot give: a failure in CI (which runs as root), else a skip."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(name, options)`` mounts a tmpfs (``mount -o options``, e.g. ``size=2m`` or ``ro,size=64k``)
+    on ``tmp_path / name`` and returns that path; every mount is lazily unmounted after the test.
+    Needs root: skips without it (fails when ``CI=true``), as when the mount itself fails."""
+    mounted: list[Path] = []
+
+    def mount(name: str, options: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        if os.geteuid() != 0:
+            _unusable(f"mounting a tmpfs ({options}) needs root")
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+        if result.returncode != 0:
+            _unusable(f"cannot mount a tmpfs ({options}) here: {result.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -15,7 +15,7 @@ import re
 import shlex
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -59,6 +59,22 @@ class SlurmCommandError(subprocess.CalledProcessError):
             f"{shlex.join(map(str, self.cmd))} exited {self.returncode}\n"
             f"stdout: {self.stdout!r}\nstderr: {self.stderr!r}"
         )
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, detail: Callable[[], str] = lambda: "",
+             poll: float = 0.1) -> object:
+    """Poll ``predicate`` every ``poll`` s until it returns something true, and return that.
+
+    Raises TimeoutError naming ``what`` (and ``detail()``, e.g. a log) after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} after {timeout} s\n{detail()}")
+        time.sleep(poll)
 
 
 def parse_exports(text: str, base_env: dict[str, str] | None = None) -> dict[str, str]:

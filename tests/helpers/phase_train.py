@@ -39,15 +39,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import ranks  # this folder's shared rank start
 from resilience import load_config, resilient_loop
 from resilience.checkpoint import checkpointer, writer
 
 ckpt_dir, events_dir, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-world = int(os.environ.get("WORLD_SIZE", "1"))
-if world > 1:
-    dist.init_process_group("gloo")
-rank = dist.get_rank() if world > 1 else 0
-torch.set_num_threads(1)
+world, rank = ranks.join()
 os.makedirs(events_dir, exist_ok=True)
 _events = os.open(os.path.join(events_dir, f"rank_{rank}.events"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 PAUSES = {tag.strip() for tag in os.environ.get("PAUSE_AT", "").split(",") if tag.strip()}

@@ -22,14 +22,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import ranks  # this folder's shared rank start
 from resilience import ConfigError, ExitCode, load_config, resilient_loop
 
 ckpt_dir, record, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-world = int(os.environ.get("WORLD_SIZE", "1"))
-if world > 1:
-    dist.init_process_group("gloo")
-rank = dist.get_rank() if world > 1 else 0
-torch.set_num_threads(1)
+world, rank = ranks.join()
 samples, batch = int(os.environ.get("SAMPLES", "48")), int(os.environ.get("BATCH", "4"))
 
 try:

@@ -15,15 +15,12 @@ import time
 import torch
 import torch.distributed as dist
 
+import ranks  # this folder's shared rank start
 from resilience import load_config, resilient_loop
 from resilience.checkpoint import checkpointer, writer
 
 ckpt_dir, overrides = sys.argv[1], sys.argv[2:]
-world = int(os.environ.get("WORLD_SIZE", "1"))
-if world > 1:
-    dist.init_process_group("gloo")
-rank = dist.get_rank() if world > 1 else 0
-torch.set_num_threads(1)
+world, rank = ranks.join()
 
 saves = 0
 original_save = checkpointer.Checkpointer.save

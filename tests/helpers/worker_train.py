@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import ranks  # this folder's shared rank start
 from resilience import load_config, resilient_loop
 
 KEEP = []
@@ -45,11 +46,7 @@ class UserWorkerInit:
 
 def main() -> int:
     ckpt_dir, events, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if world > 1 else 0
-    torch.set_num_threads(1)
+    world, rank = ranks.join()
     os.makedirs(events, exist_ok=True)
     cfg = load_config(None, [
         f"checkpoint.checkpoint_dir={ckpt_dir}",

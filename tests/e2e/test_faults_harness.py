@@ -1,0 +1,61 @@
+"""The fault-injection harness (``bench/faults.py``) on a small sample: real forked ranks, real
+SIGKILL, real files; it must report zero torn checkpoints and exact resumes, and its checker must
+catch a checkpoint torn on purpose."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.multiproc
+
+
+def _counts(stdout: str) -> dict[str, str]:
+    return dict(re.findall(r"^([a-zA-Z][^:\n]*): (.*)$", stdout, re.MULTILINE))
+
+
+def _leading_int(text: str) -> int:
+    return int(text.split()[0])
+
+
+@pytest.mark.timeout(240)
+def test_three_random_kills_leave_no_torn_checkpoint_and_every_resume_is_exact(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.faults", "--trials", "3", "--seed", "1", "--dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=230,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    counts = _counts(proc.stdout)
+    assert counts["trials"] == "3" and counts["result"] == "PASS"
+    assert counts["torn checkpoints"] == "0"
+    assert counts["resumed exact"] == "3" and counts["resumed not exact"] == "0" and counts["resume failed"] == "0"
+    outcomes = ("killed before first save", "killed during a save", "killed between saves", "killed after training", "finished before the kill")
+    landed = sum(_leading_int(counts[k]) for k in outcomes)
+    assert landed == 3, counts
+    assert counts["modes"] == "sync 2, async 1"
+    assert "reference (sync)" in proc.stderr and "two runs bitwise equal" in proc.stderr
+
+
+@pytest.mark.timeout(240)
+def test_the_checker_counts_a_checkpoint_torn_on_purpose_and_exits_non_zero(tmp_path):
+    # the script form; --tear truncates a file of LATEST's checkpoint after the kill
+    proc = subprocess.run(
+        [sys.executable, "bench/faults.py", "--trials", "1", "--kill-window", "0.9,0.95", "--tear", "--dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=230,
+    )
+    counts = _counts(proc.stdout)
+    assert proc.returncode == 1, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert counts["torn checkpoints"] == "1" and counts["result"] == "FAIL"
+    assert re.search(r"^FAILURE trial 0: torn .*self-test tore .*(truncated|checksum)", proc.stdout, re.MULTILINE), proc.stdout
+    # the resume falls back to the previous valid checkpoint and is still exact
+    assert counts["resumed exact"] == "1"
+
+
+def test_bad_arguments_name_the_option():
+    proc = subprocess.run([sys.executable, "-m", "bench.faults", "--trials", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--trials: must be >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "bench.faults", "--kill-window", "0.5"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--kill-window" in proc.stderr

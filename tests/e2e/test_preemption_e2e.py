@@ -1,0 +1,79 @@
+"""End to end on the digits example: real ranks, real signals, real kill -9, bitwise comparison."""
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilience import ExitCode
+from resilience.checkpoint.manifest import validate
+from resilience.launch import launch
+from runs import CONFIG, compare, latest_name, run
+
+pytestmark = pytest.mark.multiproc
+SHORT = ["step_scheduler.num_epochs=3", "step_scheduler.ckpt_every_steps=20"]  # 22 steps per epoch, 66 in all
+KILL_SCRIPT = Path(__file__).resolve().parents[1] / "helpers" / "kill_at_phase.py"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs with 1 and 2 ranks, shared by the tests below."""
+    out = {}
+    for nproc in (1, 2):
+        path = tmp_path_factory.mktemp(f"reference{nproc}")
+        assert run(path, nproc, overrides=SHORT).codes == [ExitCode.DONE] * nproc
+        out[nproc] = path
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc,signal_rank", [(1, 0), (2, 0), (2, 1)])
+def test_signal_on_one_rank_stops_all_at_one_step_and_resume_is_bitwise_exact(tmp_path, reference, nproc, signal_rank):
+    first = run(tmp_path, nproc, overrides=SHORT, signal_rank=signal_rank, signal_at_step=30)
+    assert first.codes == [ExitCode.PREEMPTED] * nproc
+    saved = latest_name(tmp_path)
+    manifest = validate(tmp_path / saved)
+    stop_step = manifest["meta"]["global_step"]
+    assert 30 <= stop_step < 66 and manifest["meta"]["reason"] == "preemption"
+    assert stop_step % 22 != 0, "the stop should land mid-epoch"
+    # every rank contributed its RNG and data position to that one step's checkpoint
+    assert {f"rng/rank_{r:05d}.safetensors" for r in range(nproc)} <= set(manifest["files"])
+    assert {f"dataloader/rank_{r:05d}.json" for r in range(nproc)} <= set(manifest["files"])
+
+    second = run(tmp_path, nproc, overrides=SHORT)
+    assert second.codes == [ExitCode.DONE] * nproc
+    result = compare(tmp_path, reference[nproc])
+    assert result.identical, result.detail
+    assert result.steps == 66
+
+
+def _run_killed(ckpt_dir, nproc, phase, kill_rank):
+    cmd = [sys.executable, str(KILL_SCRIPT), "--config", str(CONFIG), f"checkpoint.checkpoint_dir={ckpt_dir}", *SHORT]
+    env = {"KILL_PHASE": phase, "KILL_AT_SAVE": "2", "KILL_RANK": str(kill_rank), "OMP_NUM_THREADS": "1"}
+    if nproc == 1:
+        env.update(RANK="0", WORLD_SIZE="1")
+    with launch(cmd, nproc, env=env, failure_grace_s=5.0, kill_grace_s=2.0) as group:
+        group.wait(timeout=120)
+        return [proc.returncode for proc in group.procs]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "nproc,phase",
+    [(1, "parts"), (1, "manifest"), (1, "rename"), (2, "parts"), (2, "pointer")],
+)
+def test_sigkill_during_a_save_leaves_latest_on_the_previous_checkpoint_and_resume_is_exact(tmp_path, reference, nproc, phase):
+    codes = _run_killed(tmp_path, nproc, phase, kill_rank=0)
+    assert codes[0] == -signal.SIGKILL
+    assert latest_name(tmp_path) == "epoch_0_step_20", "LATEST must not move before the second save is published"
+    validate(tmp_path / "epoch_0_step_20")
+    rows = [json.loads(line) for line in (tmp_path / "training.jsonl").read_text().splitlines()]
+    assert rows[-1]["global_step"] == 40, "the run died in the save after step 40"
+
+    again = run(tmp_path, nproc, overrides=SHORT)
+    assert again.codes == [ExitCode.DONE] * nproc
+    assert not list(tmp_path.glob(".staging_*")), "the leftover staging directory is removed at the next start"
+    result = compare(tmp_path, reference[nproc])
+    assert result.identical, result.detail
