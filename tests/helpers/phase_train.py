@@ -74,13 +74,13 @@ original_save = checkpointer.Checkpointer.save
 original_load = checkpointer.Checkpointer.load
 
 
-def recording_save(self, state, scheduler, *, reason="periodic"):
+def recording_save(self, reason="periodic"):
     global saves, save_reason, paused_this_save
     saves += 1
     save_reason, paused_this_save = reason, False
-    event("save_begin", scheduler.global_step, reason)
-    result = original_save(self, state, scheduler, reason=reason)
-    event("save_end", scheduler.global_step)
+    event("save_begin", self.scheduler.global_step, reason)
+    result = original_save(self, reason)
+    event("save_end", self.scheduler.global_step)
     return result
 
 
