@@ -148,6 +148,11 @@ class RankGroup:
             except OSError as error:
                 self._log(f"cannot record the stop in {self.stop_file}: {error}")
         live = self.live_ranks()
+        # a rank that already died without its ready marker may have died of this very signal,
+        # sent to the whole process group before the launcher's handler ran
+        for local in range(len(self.procs)):
+            if local not in live and self.ready_dir is not None and not ready_marker(self.ready_dir, self.ranks[local]).exists():
+                self._held_ever.setdefault(local, set()).add(sig)
         ready = [local for local in live if self.is_ready(local, sig)]
         held = [local for local in live if local not in ready]
         for local in held:
