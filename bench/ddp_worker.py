@@ -109,12 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt-dir", required=True)
     args = parser.parse_args(argv)
 
-    from resilience.agreement import StopAgreement
     from resilience.checkpoint import Checkpointer, TrainingState
     from resilience.config import CheckpointConfig
     from resilience.distributed import DistContext
-    from resilience.signals import SignalRecorder
     from resilience.state.step_scheduler import StepScheduler
+    from resilience.stop.agreement import StopAgreement
+    from resilience.stop.signals import SignalRecorder
     from resilience.timing import RunTimer, auto_cadence
 
     dist.init_process_group("gloo")

@@ -263,8 +263,8 @@ def _run_to_end(start: str, args: tuple, log_path: Path, timeout: float) -> tupl
 def torn_checkpoints(root: Path) -> list[str]:
     """Why ``LATEST`` or a published checkpoint under ``root`` is not complete (empty: all good)."""
     from resilience.checkpoint.layout import LATEST, list_checkpoints
-    from resilience.checkpoint.manifest import CheckpointInvalid, validate
-    from resilience.checkpoint.pointers import PointerError, read_pointer
+    from resilience.checkpoint.storage.manifest import CheckpointInvalid, validate
+    from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 
     problems = []
     try:
@@ -288,7 +288,7 @@ def torn_checkpoints(root: Path) -> list[str]:
 
 def latest_name(root: Path) -> str | None:
     from resilience.checkpoint.layout import LATEST
-    from resilience.checkpoint.pointers import PointerError, read_pointer
+    from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 
     try:
         latest = read_pointer(root, LATEST)
@@ -309,7 +309,7 @@ def outcome(root: Path) -> Outcome:
     from safetensors.torch import load_file
 
     from resilience.checkpoint.layout import LATEST
-    from resilience.checkpoint.pointers import read_pointer
+    from resilience.checkpoint.storage.pointers import read_pointer
 
     rows = [json.loads(line) for line in (root / "training.jsonl").read_text().splitlines() if line.strip()]
     latest = read_pointer(root, LATEST)

@@ -302,7 +302,8 @@ def breakdown(work: Path, model, optimizer) -> dict[str, Any]:
     """One save, one validation and one load of ours, each cold, with its phases timed (s), to
     say where the time goes: model weights (safetensors), optimizer (DCP), fsync, digests,
     fresh allocations and copies into the live objects, ..."""
-    from resilience.checkpoint import model_io, optim_io, parts, reader, writer
+    from resilience.checkpoint import parts, reader, writer
+    from resilience.checkpoint.formats import model_io, optim_io
 
     dcp_io = getattr(optim_io, "dcp_io", None)
     tensors = state_tensors(model, optimizer)

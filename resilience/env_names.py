@@ -12,7 +12,7 @@ Ours (set by the launcher or the batch templates, read by the ranks):
 ``LAUNCHER_PID_ENV``      the launcher's pid, in each rank's environment
 ========================  ==========================================================================
 
-``SLURM``: what :class:`resilience.slurm.SlurmJob` reads, each field's variables in order (the
+``SLURM``: what :class:`resilience.slurm.job.SlurmJob` reads, each field's variables in order (the
 first one set wins). ``TORCH``: the torch.distributed variables a launcher gives each rank.
 ``CONSOLIDATE``: the knobs of ``model/consolidate.sh``.
 """

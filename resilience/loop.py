@@ -9,7 +9,7 @@
             loop.log(loss=loss.item())
     sys.exit(loop.exit_code)                    # 0 done, 75 preempted (requeue me), 1 failed
 
-At each step boundary the ranks agree (non-blocking, see :mod:`resilience.agreement`) whether a
+At each step boundary the ranks agree (non-blocking, see :mod:`resilience.stop.agreement`) whether a
 preemption signal reached any of them; when they do, every rank saves the same step and the
 loop ends with ``ExitCode.PREEMPTED``.
 """
@@ -25,25 +25,25 @@ from typing import Any
 
 import torch
 
-from resilience import progress_guard
-from resilience.agreement import StopAgreement
 from resilience.checkpoint import Checkpointer, SaveReason, TrainingState
-from resilience.checkpoint.best import append_jsonl
 from resilience.checkpoint.layout import TRAINING_LOG, VALIDATION_LOG
+from resilience.checkpoint.policy import progress_guard
+from resilience.checkpoint.policy.lowest_val import append_jsonl
 from resilience.config import ResilienceConfig, config_from_dict
-from resilience.deadline import Deadline
 from resilience.distributed import DistContext
 from resilience.exit_codes import ExitCode
-from resilience.handshake import mark_ready_and_check_stop
 from resilience.metrics_log import truncate_logs
-from resilience.signals import SignalRecorder
-from resilience.slurm import run_id_from_env, signal_reach_warning
+from resilience.slurm.job import run_id_from_env, signal_reach_warning
 from resilience.state.accumulation import micro_batches
 from resilience.state.batch_size import BatchSizeChangeRefused, continue_with_batch_size, global_batch_size
 from resilience.state.data_position import epoch_iterator, loader_length, set_epoch
 from resilience.state.step_scheduler import StepScheduler
 from resilience.state.worker_signals import shield_dataloader_workers
 from resilience.step import Step
+from resilience.stop.agreement import StopAgreement
+from resilience.stop.deadline import Deadline
+from resilience.stop.handshake import mark_ready_and_check_stop
+from resilience.stop.signals import SignalRecorder
 from resilience.teardown import release_at_exit
 from resilience.timing import RunTimer, auto_cadence
 
@@ -251,7 +251,7 @@ class ResilientLoop:
         return length is not None and scheduler.batches_in_epoch >= length
 
     def _no_progress(self) -> bool:
-        """The requeue-loop guard (see :mod:`resilience.progress_guard`): True when this run must
+        """The requeue-loop guard (see :mod:`resilience.checkpoint.policy.progress_guard`): True when this run must
         end with NO_PROGRESS because the attempts before it saved nothing new."""
         ckpt_cfg = self.config.checkpoint
         if not (ckpt_cfg.enabled and ckpt_cfg.enable_save):
@@ -260,7 +260,7 @@ class ResilientLoop:
                                        ckpt_cfg.max_preemptions_without_progress)
 
     def _deadline_flag(self) -> int:
-        """STOP_DEADLINE on rank 0 once the time left no longer covers a stop (see resilience.deadline)."""
+        """STOP_DEADLINE on rank 0 once the time left no longer covers a stop (see resilience.stop.deadline)."""
         return STOP_DEADLINE if self._deadline.must_stop(self._cadence()) else 0
 
     @property

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from resilience.checkpoint.formats.model_io import model_file
 from resilience.checkpoint.layout import LATEST
-from resilience.checkpoint.model_io import model_file
 from resilience.launch import launch
 
 HERE = Path(__file__).resolve().parent

@@ -4,7 +4,7 @@
         --checkpoint-dir runs/digits/submitit-ck --timeout-min 10 --signal-delay-s 120
 
 submitit adds ``#SBATCH --signal=USR2@<signal-delay-s>`` and runs the training under ``srun``;
-:class:`resilience.submitit.ResilientTask` makes the loop save on that USR2 and requeues the job
+:class:`resilience.integrations.submitit.ResilientTask` makes the loop save on that USR2 and requeues the job
 (``scontrol requeue``, same job id) until training returns DONE. ``job.result()`` is then the
 training's exit code, 0.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import submitit
 
-from resilience.submitit import ResilientTask, submitit_preemption_signal
+from resilience.integrations.submitit import ResilientTask, submitit_preemption_signal
 
 DIGITS_DIR = Path(__file__).resolve().parent
 CONFIG = DIGITS_DIR / "digits.yaml"
@@ -81,7 +81,7 @@ def submit(
     overrides: Sequence[str] = (),
     fn: Callable[[list[str]], int] = train_digits,
 ) -> submitit.Job:
-    """Submit the digits training as a :class:`~resilience.submitit.ResilientTask`; return the job.
+    """Submit the digits training as a :class:`~resilience.integrations.submitit.ResilientTask`; return the job.
 
     Args:
         folder: submitit's folder for pickles and logs (``%j`` allowed, as in submitit).

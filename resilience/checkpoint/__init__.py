@@ -11,9 +11,9 @@ from resilience.lazy import lazy_getattr
 _LAZY = {
     "Checkpointer": "resilience.checkpoint.checkpointer",
     "SaveReason": "resilience.checkpoint.checkpointer",
-    "TrainingState": "resilience.checkpoint.training_state",
+    "TrainingState": "resilience.state.training_state",
     "Restored": "resilience.checkpoint.loading",
-    "CheckpointInvalid": "resilience.checkpoint.manifest",
+    "CheckpointInvalid": "resilience.checkpoint.storage.manifest",
     "CheckpointNotFound": "resilience.checkpoint.reader",
     "CheckpointCorrupted": "resilience.checkpoint.reader",
     "CheckpointSaveError": "resilience.checkpoint.writer",

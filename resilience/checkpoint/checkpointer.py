@@ -17,23 +17,23 @@ from typing import Any, Literal
 
 import torch
 
-from resilience.checkpoint import retention
 from resilience.checkpoint.async_writer import AsyncWriter
-from resilience.checkpoint.best import LowestVal, json_safe, select_metric
 from resilience.checkpoint.layout import MANIFEST, checkpoint_name, parse_checkpoint_name
-from resilience.checkpoint.lineage import parent_ref
 from resilience.checkpoint.loading import Restored, load_state
 from resilience.checkpoint.parts import checkpoint_parts, epoch_of
+from resilience.checkpoint.policy import retention
+from resilience.checkpoint.policy.lineage import parent_ref
+from resilience.checkpoint.policy.lowest_val import LowestVal, json_safe, select_metric
+from resilience.checkpoint.policy.world_size import world_size_problem
 from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, find_resume_checkpoint, load_verified
 from resilience.checkpoint.staging import StagingBuffers
-from resilience.checkpoint.training_state import TrainingState
-from resilience.checkpoint.world_size import world_size_problem
 from resilience.checkpoint.writer import Part, failure, phase, publish, raise_publish_verdict, remove_leftovers, write_checkpoint
 from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
 from resilience.state.batch_size import epoch_complete
 from resilience.state.rng import load_rng_state
 from resilience.state.step_scheduler import StepScheduler
+from resilience.state.training_state import TrainingState
 from resilience.timing import RunTimer
 
 __all__ = ["Checkpointer", "Restored", "SaveReason", "TrainingState"]
@@ -90,7 +90,7 @@ class Checkpointer:
         """Rank 0: validation metrics by global step, waiting for that step's checkpoint."""
         self.parent: dict[str, Any] | None = None
         """The checkpoint the next save continues (``{"name", "checkpoint_id"}``): the one resumed
-        from, then the previous save; ``None`` at step 0 (see :mod:`resilience.checkpoint.lineage`)."""
+        from, then the previous save; ``None`` at step 0 (see :mod:`resilience.checkpoint.policy.lineage`)."""
         self._async: AsyncWriter | None = None
         self._async_ctx: DistContext | None = None
         self._buffers = StagingBuffers()
@@ -105,7 +105,7 @@ class Checkpointer:
         probe file in it when saving), then broadcasts what it found, so no rank goes on to wait
         in a collective for a peer that raised. (A URL never gets here: the configuration refuses it.)
 
-        The same broadcast carries the strict world-size check (:mod:`resilience.checkpoint.world_size`).
+        The same broadcast carries the strict world-size check (:mod:`resilience.checkpoint.policy.world_size`).
 
         Raises:
             ConfigError: naming ``checkpoint.checkpoint_dir``: it (or a parent) is not a directory,

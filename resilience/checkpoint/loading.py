@@ -12,13 +12,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint import model_io, optim_io
-from resilience.checkpoint.extra_state import load_extra_state
+from resilience.checkpoint.formats import model_io, optim_io
+from resilience.checkpoint.formats.extra_state import load_extra_state
 from resilience.checkpoint.layout import MANIFEST, STEP_SCHEDULER, dataloader_rank_file, rng_rank_file
-from resilience.checkpoint.training_state import TrainingState
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.data_position import read_data_position
+from resilience.state.training_state import TrainingState
 
 log = logging.getLogger("resilience.checkpoint")
 

@@ -19,18 +19,18 @@ from typing import Any
 import yaml
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from resilience.checkpoint import hf_export, model_io, optim_io
-from resilience.checkpoint.best import json_safe
-from resilience.checkpoint.extra_state import save_extra_state
+from resilience.checkpoint.formats import hf_export, model_io, optim_io
+from resilience.checkpoint.formats.extra_state import save_extra_state
 from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, RNG_DIR, STEP_SCHEDULER, TRASH_PREFIX, dataloader_rank_file, rng_rank_file
+from resilience.checkpoint.policy.lowest_val import json_safe
 from resilience.checkpoint.staging import StagingBuffers
-from resilience.checkpoint.training_state import TrainingState
 from resilience.checkpoint.writer import Part
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.data_position import data_position_json, loader_length
 from resilience.state.rng import capture_rng_state, write_rng_state
 from resilience.state.step_scheduler import StepScheduler
+from resilience.state.training_state import TrainingState
 
 
 def checkpoint_parts(

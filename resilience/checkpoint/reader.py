@@ -3,7 +3,7 @@ checking its bytes.
 
 Rank 0 follows ``LATEST`` (or ``restore_from``), checks the manifest and every file's size, and
 when the target is missing or incomplete falls back with a warning: first to its own ancestors
-(its lineage, :mod:`resilience.checkpoint.lineage`), then to the other checkpoints no newer than
+(its lineage, :mod:`resilience.checkpoint.policy.lineage`), then to the other checkpoints no newer than
 it, newest step first. Without ``LATEST`` the most recently saved checkpoint leads (the
 one ``LATEST`` last named), not the highest step: after a rollback the abandoned timeline may
 hold higher steps. Every rank then loads the chosen directory while a background thread digests its share
@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 
 from resilience.checkpoint.balance import balance
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, list_checkpoints, parse_checkpoint_name
-from resilience.checkpoint.lineage import lineage, meta_of
-from resilience.checkpoint.manifest import CheckpointInvalid, digest_problem, read_manifest, validate
-from resilience.checkpoint.pointers import PointerError, read_pointer
+from resilience.checkpoint.policy.lineage import lineage, meta_of
+from resilience.checkpoint.storage.manifest import CheckpointInvalid, digest_problem, read_manifest, validate
+from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 from resilience.distributed import DistContext
 
 log = logging.getLogger("resilience.checkpoint")

@@ -29,12 +29,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.best import LOWEST_VAL
-from resilience.checkpoint.durable import FileRecord, fsync_dir, fsync_file, record
 from resilience.checkpoint.layout import LATEST, STAGING_PREFIX, TRASH_PREFIX
-from resilience.checkpoint.lineage import describe, is_checkpoint_named, set_aside
-from resilience.checkpoint.manifest import write_manifest
-from resilience.checkpoint.pointers import PointerError, read_pointer, write_pointer
+from resilience.checkpoint.policy.lineage import describe, is_checkpoint_named, set_aside
+from resilience.checkpoint.policy.lowest_val import LOWEST_VAL
+from resilience.checkpoint.storage.durable import FileRecord, fsync_dir, fsync_file, record
+from resilience.checkpoint.storage.manifest import write_manifest
+from resilience.checkpoint.storage.pointers import PointerError, read_pointer, write_pointer
 from resilience.distributed import DistContext
 
 try:  # DCP's CheckpointException derives from BaseException, not Exception
@@ -217,7 +217,7 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
 def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = None) -> None:
     """Rename ``staging`` to ``final``. An existing ``final`` that is the checkpoint this one
     continues (``parent``: a re-save of the same step) is moved aside first and deleted only after
-    the new one is in place; any other (another timeline's, see :mod:`resilience.checkpoint.lineage`)
+    the new one is in place; any other (another timeline's, see :mod:`resilience.checkpoint.policy.lineage`)
     is moved aside to ``<name>.abandoned-<time>`` and kept, with a warning naming it; a
     ``LOWEST_VAL`` naming it follows it there (its metric is that checkpoint's, not the new one's)."""
     trash = abandoned = best_moved = None

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from resilience.config.checks import ConfigError, check_bool, check_int
-from resilience.signals import DEFAULT_PREEMPTION_SIGNAL, parse_preemption_signal
+from resilience.stop.signals import DEFAULT_PREEMPTION_SIGNAL, parse_preemption_signal
 
 
 @dataclasses.dataclass(kw_only=True)

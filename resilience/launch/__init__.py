@@ -14,8 +14,8 @@ environment), :mod:`~resilience.launch.rank_group` (:class:`RankGroup`: waiting,
 grace, reaping), :mod:`~resilience.launch.exit_status` (:func:`combine_exit_codes`),
 :mod:`~resilience.launch.ports` (``MASTER_PORT``), :mod:`~resilience.launch.ready_dirs` (the
 handshake's temp directories, and removing those of killed launchers),
-:mod:`~resilience.launch.forwarding` (the signals the launcher records and passes on) and
-:mod:`~resilience.launch.run_cli` (the ``resilience run`` command). None of them imports torch, so ``resilience run`` has its handlers
+:mod:`~resilience.launch.forwarding` (the signals the launcher records and passes on); the
+``resilience run`` command itself is :mod:`resilience.cli.run`. None of them imports torch, so ``resilience run`` has its handlers
 in place before a Slurm warning can arrive.
 """
 
@@ -25,23 +25,18 @@ from resilience.launch.exit_status import combine_exit_codes
 from resilience.launch.forwarding import FORWARDED_SIGNALS, STOP_SIGNALS
 from resilience.launch.ports import PORT_BASE, PORT_SPAN, resolve_master_port, slurm_master_port
 from resilience.launch.rank_group import POLL_INTERVAL_S, Log, RankGroup
-from resilience.launch.run_cli import PID_FILE_ENV, add_arguments, main, run
 from resilience.launch.start import launch
 
 __all__ = [
     "FORWARDED_SIGNALS",
-    "PID_FILE_ENV",
     "POLL_INTERVAL_S",
     "PORT_BASE",
     "PORT_SPAN",
     "STOP_SIGNALS",
     "Log",
     "RankGroup",
-    "add_arguments",
     "combine_exit_codes",
     "launch",
-    "main",
     "resolve_master_port",
-    "run",
     "slurm_master_port",
 ]

@@ -33,7 +33,7 @@ _KEYBOARD_SIGNALS = frozenset({signal.SIGINT, signal.SIGQUIT})
 class RecordedSignals:
     """Scoped handlers that only record signal numbers; :meth:`take` waits for and drains them.
 
-    Not :class:`resilience.signals.SignalRecorder`: that one chains to the previous Python
+    Not :class:`resilience.stop.signals.SignalRecorder`: that one chains to the previous Python
     handler (SIGINT's raises ``KeyboardInterrupt``) and has no wakeup; the launcher must
     replace every disposition, and forward at once.
 

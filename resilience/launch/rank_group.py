@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 
 from resilience.exit_codes import ExitCode
-from resilience.handshake import ready_marker, request_stop, stop_taken_marker
 from resilience.launch.exit_status import combine_exit_codes, describe_code
+from resilience.stop.handshake import ready_marker, request_stop, stop_taken_marker
 
 #: Seconds between two looks at the ranks while waiting (also the signal-forwarding latency
 #: bound when no wakeup fd is in use).
@@ -123,7 +123,7 @@ class RankGroup:
 
     def is_ready(self, local: int, sig: int | None = None) -> bool:
         """True when a stop signal may be sent to local rank ``local`` without killing it: it has
-        installed its handlers (its ready marker exists; see :mod:`resilience.handshake`), or it
+        installed its handlers (its ready marker exists; see :mod:`resilience.stop.handshake`), or it
         has a handler for ``sig`` now (``SigCgt`` of ``/proc/PID/status``, as the Slurm templates
         check; a program with handlers of its own). A rank that does neither is not ready,
         however long it takes: a model that builds for minutes must not be killed by the signal
@@ -140,7 +140,7 @@ class RankGroup:
         """Record a stop in the stop file, then send ``sig`` to the ready ranks; hold it for the
         others until they are ready (a rank without its handler would die of it) — they read the
         stop file when they get ready. A held signal is dropped, not sent, for a rank that says
-        it took the stop from the file (:func:`resilience.handshake.stop_taken_marker`).
+        it took the stop from the file (:func:`resilience.stop.handshake.stop_taken_marker`).
         Returns (local ranks signalled, local ranks held)."""
         if self.stop_file is not None:
             try:

@@ -1,7 +1,7 @@
 """The launcher's temporary handshake directories (``$TMPDIR/resilience-ranks-*``) and their cleanup.
 
 Each launch makes one directory for the ranks' ready markers and the stop file
-(:mod:`resilience.handshake`) and removes it when its ranks have exited, also after they crashed
+(:mod:`resilience.stop.handshake`) and removes it when its ranks have exited, also after they crashed
 (:meth:`~resilience.launch.rank_group.RankGroup.close`). A launcher that is SIGKILLed (the OOM
 killer, ``scancel`` after ``KillWait``) cannot; so each directory records its launcher in a file
 ``launcher`` (``<pid> <start time>``), and every launch first removes the directories whose

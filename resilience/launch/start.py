@@ -95,7 +95,7 @@ def launch(
     base.update(env or {})
     port = resolve_master_port(master_port, base, nnodes)
     ranks = [node_rank * nproc_per_node + local for local in range(nproc_per_node)]
-    # Handshake files (resilience.handshake): a batch script's stop file wins over our own.
+    # Handshake files (resilience.stop.handshake): a batch script's stop file wins over our own.
     ready_dir = make_ready_dir()  # also removes those of launchers that were killed
     stop_file = base.get(STOP_FILE_ENV) or os.path.join(ready_dir, "stop")
     procs: list[subprocess.Popen] = []

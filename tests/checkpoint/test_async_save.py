@@ -11,8 +11,8 @@ import torch
 
 from resilience import ExitCode
 from resilience.checkpoint import Checkpointer, TrainingState, writer
-from resilience.checkpoint.manifest import validate
-from resilience.checkpoint.model_io import load_model
+from resilience.checkpoint.formats.model_io import load_model
+from resilience.checkpoint.storage.manifest import validate
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.launch import launch

@@ -26,11 +26,11 @@ from resilience.checkpoint import (
     TrainingState,
     writer,
 )
-from resilience.checkpoint.durable import DIGEST, file_digest
+from resilience.checkpoint.formats.model_io import model_file
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, MANIFEST
-from resilience.checkpoint.manifest import validate
-from resilience.checkpoint.model_io import model_file
-from resilience.checkpoint.pointers import read_pointer, write_pointer
+from resilience.checkpoint.storage.durable import DIGEST, file_digest
+from resilience.checkpoint.storage.manifest import validate
+from resilience.checkpoint.storage.pointers import read_pointer, write_pointer
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler

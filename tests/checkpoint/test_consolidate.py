@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from resilience import resilient_loop
-from resilience.checkpoint import model_io
-from resilience.checkpoint.consolidate import consolidate, is_complete
+from resilience.checkpoint.formats import model_io
+from resilience.checkpoint.formats.consolidate import consolidate, is_complete
 from resilience.checkpoint.layout import LATEST
-from resilience.checkpoint.manifest import validate
+from resilience.checkpoint.storage.manifest import validate
 from resilience.cli import main as cli_main
 from resilience.config import ConfigError, config_from_dict
 from resilience.launch import launch

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from resilience.checkpoint.durable import DIGEST, DurableFile, file_digest
-from resilience.checkpoint.manifest import CheckpointInvalid, validate
-from resilience.checkpoint.safetensors_file import read_safetensors, write_safetensors
+from resilience.checkpoint.storage.durable import DIGEST, DurableFile, file_digest
+from resilience.checkpoint.storage.manifest import CheckpointInvalid, validate
+from resilience.checkpoint.storage.safetensors_file import read_safetensors, write_safetensors
 
 
 def test_durable_file_digest_equals_reading_the_file_back(tmp_path):

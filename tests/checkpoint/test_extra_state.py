@@ -10,7 +10,7 @@ import torch
 
 from resilience import resilient_loop
 from resilience.checkpoint import CheckpointSaveError
-from resilience.checkpoint.extra_state import load_extra_state, save_extra_state
+from resilience.checkpoint.formats.extra_state import load_extra_state, save_extra_state
 
 pytestmark = pytest.mark.usefixtures("no_launcher_environment")
 

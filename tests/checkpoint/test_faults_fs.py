@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from resilience.checkpoint.manifest import validate
+from resilience.checkpoint.storage.manifest import validate
 from resilience.launch import launch
 
 pytestmark = pytest.mark.multiproc

@@ -25,10 +25,10 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast  # noqa: E402
 
 from resilience import resilient_loop  # noqa: E402
-from resilience.checkpoint import model_io  # noqa: E402
-from resilience.checkpoint.consolidate import consolidate  # noqa: E402
+from resilience.checkpoint.formats import model_io  # noqa: E402
+from resilience.checkpoint.formats.consolidate import consolidate  # noqa: E402
 from resilience.checkpoint.layout import LATEST  # noqa: E402
-from resilience.checkpoint.manifest import validate  # noqa: E402
+from resilience.checkpoint.storage.manifest import validate  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),  # torchdata / DCP single-process notices

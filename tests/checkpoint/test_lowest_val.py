@@ -13,8 +13,8 @@ import torch
 
 from resilience import ExitCode, resilient_loop
 from resilience.checkpoint.layout import LOWEST_VAL, VALIDATION_LOG
-from resilience.checkpoint.manifest import read_manifest
-from resilience.checkpoint.pointers import read_pointer
+from resilience.checkpoint.storage.manifest import read_manifest
+from resilience.checkpoint.storage.pointers import read_pointer
 from resilience.config import ConfigError
 
 pytestmark = pytest.mark.usefixtures("no_launcher_environment")

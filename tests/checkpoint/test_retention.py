@@ -13,9 +13,9 @@ import torch
 from resilience import resilient_loop
 from resilience.checkpoint import Checkpointer, CheckpointSaveError, TrainingState, writer
 from resilience.checkpoint.layout import LATEST, LOWEST_VAL, PRUNING_PREFIX
-from resilience.checkpoint.manifest import validate
-from resilience.checkpoint.pointers import read_pointer
-from resilience.checkpoint.retention import plan_prune, prune
+from resilience.checkpoint.policy.retention import plan_prune, prune
+from resilience.checkpoint.storage.manifest import validate
+from resilience.checkpoint.storage.pointers import read_pointer
 from resilience.config import CheckpointConfig, ConfigError, config_from_dict
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler

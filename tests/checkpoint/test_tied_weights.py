@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 from resilience import resilient_loop
-from resilience.checkpoint import model_io
-from resilience.checkpoint.consolidate import consolidate
+from resilience.checkpoint.formats import model_io
+from resilience.checkpoint.formats.consolidate import consolidate
 from resilience.checkpoint.layout import LATEST
-from resilience.checkpoint.manifest import validate
-from resilience.checkpoint.safetensors_file import read_safetensors_header
+from resilience.checkpoint.storage.manifest import validate
+from resilience.checkpoint.storage.safetensors_file import read_safetensors_header
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),  # torchdata / DCP single-process notices

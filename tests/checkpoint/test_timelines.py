@@ -17,9 +17,9 @@ import torch
 
 from resilience import ExitCode, resilient_loop
 from resilience.checkpoint.layout import LATEST
-from resilience.checkpoint.manifest import validate
-from resilience.checkpoint.pointers import write_pointer
-from resilience.status_cli import inspect_root
+from resilience.checkpoint.storage.manifest import validate
+from resilience.checkpoint.storage.pointers import write_pointer
+from resilience.cli.status import inspect_root
 from sample_runs import run, steps
 
 EPOCHS = "step_scheduler.num_epochs=3"
@@ -132,8 +132,8 @@ def test_checkpoints_without_lineage_metadata_still_load_and_are_set_aside_when_
 def test_lowest_val_naming_a_checkpoint_set_aside_follows_it_and_is_put_back_if_the_rename_fails(tmp_path):
     """LOWEST_VAL names a checkpoint by name: when another timeline's checkpoint is set aside for a
     new one of the same name, the pointer must keep naming the checkpoint whose metric it records."""
-    from resilience.checkpoint.best import LOWEST_VAL
-    from resilience.checkpoint.pointers import read_pointer, write_pointer
+    from resilience.checkpoint.policy.lowest_val import LOWEST_VAL
+    from resilience.checkpoint.storage.pointers import read_pointer, write_pointer
     from resilience.checkpoint.writer import _rename_into_place
 
     root = tmp_path / "ck"

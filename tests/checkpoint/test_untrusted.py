@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from resilience.checkpoint import Checkpointer, TrainingState
-from resilience.checkpoint.dcp_io import UnsafeCheckpointError
-from resilience.checkpoint.durable import DIGEST, file_digest
+from resilience.checkpoint.storage.dcp_io import UnsafeCheckpointError
+from resilience.checkpoint.storage.durable import DIGEST, file_digest
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from resilience import ExitCode
-from resilience.checkpoint.manifest import validate
+from resilience.checkpoint.storage.manifest import validate
 from runs import latest_name, run
 
 pytestmark = pytest.mark.multiproc

@@ -19,7 +19,7 @@ import yaml
 
 from resilience import cli
 from resilience.config import ConfigError, config_from_dict, load_config
-from resilience.templates import SLURM_SIGNALS, render_slurm
+from resilience.slurm.render import SLURM_SIGNALS, render_slurm
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -82,38 +82,47 @@ def test_render_equals_golden_file(name: str) -> None:
     assert text == path.read_text(), f"render of {name!r} differs from {path}; UPDATE_GOLDEN=1 to accept"
 
 
+DIGITS = REPO / "examples" / "digits"
+
+
 def _shipped() -> dict[Path, str]:
-    """templates/*.sub -> the render they must equal (paths as the README's commands give them)."""
+    """Every shipped .sub -> the render it must equal (paths as the READMEs' commands give them).
+
+    ``templates/`` holds the reference scripts: the defaults, one node and two. The digits example's
+    scripts, rendered from its own YAML, live beside it.
+    """
+    digits = DIGITS / "digits.yaml"
     return {
-        TEMPLATES / "slurm.sub": render_slurm(load_config(TEMPLATES / "digits.yaml"), config_path="templates/digits.yaml"),
-        TEMPLATES / "slurm-multinode.sub": render_slurm(
-            load_config(TEMPLATES / "digits.yaml", ["slurm.nodes=2"]), config_path="templates/digits.yaml"
-        ),
+        TEMPLATES / "slurm.sub": render_slurm(load_config(None), config_path=None),
+        TEMPLATES / "slurm-multinode.sub": render_slurm(load_config(None, ["slurm.nodes=2"]), config_path=None),
+        DIGITS / "slurm.sub": render_slurm(load_config(digits), config_path="examples/digits/digits.yaml"),
+        DIGITS / "slurm-multinode.sub": render_slurm(load_config(digits, ["slurm.nodes=2"]), config_path="examples/digits/digits.yaml"),
     }
 
 
-def test_shipped_templates_are_the_current_renders_of_digits_yaml() -> None:
-    """templates/slurm*.sub never drift from what `resilience template slurm` prints."""
+def test_shipped_scripts_are_the_current_renders() -> None:
+    """templates/slurm*.sub (the defaults) and examples/digits/slurm*.sub never drift from what `resilience template slurm` prints."""
     for path, text in _shipped().items():
         if os.environ.get("UPDATE_GOLDEN") == "1":
             path.write_text(text)
-        assert path.read_text() == text, f"{path} is stale: render templates/digits.yaml again (see templates/README.md)"
+        assert path.read_text() == text, f"{path} is stale: render it again (see templates/README.md)"
 
 
-def test_templates_digits_yaml_trains_exactly_like_the_example() -> None:
-    """templates/digits.yaml is examples/digits/digits.yaml plus a slurm: section, nothing else."""
-    ours = yaml.safe_load((TEMPLATES / "digits.yaml").read_text())
-    example = yaml.safe_load((REPO / "examples" / "digits" / "digits.yaml").read_text())
-    assert "slurm" in ours
-    ours.pop("slurm")
-    assert ours == example
+def test_the_cli_renders_the_defaults_without_a_yaml(tmp_path: Path, capsys) -> None:
+    """`resilience template slurm [slurm.nodes=2]` with no YAML prints templates/slurm*.sub exactly."""
+    from resilience import cli
+
+    assert cli.main(["template", "slurm"]) == 0
+    assert capsys.readouterr().out == (TEMPLATES / "slurm.sub").read_text()
+    assert cli.main(["template", "slurm", "slurm.nodes=2", "-o", str(tmp_path / "m.sub")]) == 0
+    assert (tmp_path / "m.sub").read_text() == (TEMPLATES / "slurm-multinode.sub").read_text()
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_every_render_is_valid_bash(tmp_path: Path) -> None:
     """`bash -n` accepts every golden render and both shipped templates."""
     scripts = {f"{name}.sub": _render(name) for name in CASES}
-    scripts.update({path.name: text for path, text in _shipped().items()})
+    scripts.update({str(path.relative_to(REPO)).replace("/", "_"): text for path, text in _shipped().items()})
     for name, text in scripts.items():
         path = tmp_path / name
         path.write_text(text)
@@ -257,7 +266,7 @@ def test_cli_accepts_overrides_after_the_output_option(tmp_path: Path, capsys) -
 # The rendered script's behaviour without Slurm: bash runs it with the variables Slurm would set,
 # `scontrol` is a stub that records its arguments, and the ranks are a small Python program (no
 # torch import, so each test takes seconds) that behaves like resilient_loop() towards signals:
-# handler first, then the launcher's ready marker (resilience.handshake), then the stop file.
+# handler first, then the launcher's ready marker (resilience.stop.handshake), then the stop file.
 
 FAKE_RANK = r'''
 import os, signal, sys, time

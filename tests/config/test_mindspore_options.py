@@ -16,8 +16,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from resilience import ExitCode, resilient_loop
 from resilience.checkpoint import Checkpointer, CheckpointNotFound, TrainingState
 from resilience.checkpoint.layout import LATEST
-from resilience.checkpoint.manifest import read_manifest, validate
-from resilience.checkpoint.pointers import read_pointer
+from resilience.checkpoint.storage.manifest import read_manifest, validate
+from resilience.checkpoint.storage.pointers import read_pointer
 from resilience.config import ConfigError, config_from_dict
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from resilience import ExitCode
-from resilience.checkpoint.manifest import validate
+from resilience.checkpoint.storage.manifest import validate
 from resilience.launch import launch
 from runs import CONFIG, compare, latest_name, run
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from resilience import ExitCode
-from resilience.checkpoint.manifest import validate
+from resilience.checkpoint.storage.manifest import validate
 from resilience.state.worker_signals import ShieldedWorkerInit, shield_dataloader_workers
 from runs import compare, latest_name
 from slurm_cluster import pid_alive

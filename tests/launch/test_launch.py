@@ -38,7 +38,7 @@ out, mode, rank = sys.argv[1], sys.argv[2], os.environ["RANK"]
 got = []
 time.sleep(float(os.environ.get("DELAY_HANDLER_S", "0")))  # start slowly, like torch imports
 signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
-# the handshake (resilience.handshake): handler installed -> mark ready -> read the stop file
+# the handshake (resilience.stop.handshake): handler installed -> mark ready -> read the stop file
 open(os.path.join(os.environ["RESILIENCE_READY_DIR"], "rank_" + rank), "w").close()
 if os.path.exists(os.environ["RESILIENCE_STOP_FILE"]):
     open(os.path.join(out, "stopfile%s" % rank), "w").close()
@@ -504,7 +504,7 @@ def test_a_stop_signal_the_ranks_do_not_handle_is_sent_as_one_they_do(tmp_path, 
 def test_dash_n_is_short_for_nproc_per_node() -> None:
     import argparse
 
-    from resilience.launch import add_arguments
+    from resilience.cli.run import add_arguments
 
     args = add_arguments(argparse.ArgumentParser()).parse_args(["-n", "3", "train.py"])
     assert args.nproc_per_node == 3

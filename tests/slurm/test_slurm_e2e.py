@@ -1,6 +1,6 @@
 """The rendered batch templates on a real local Slurm cluster, running the digits example.
 
-Each scenario submits `resilience template slurm templates/digits.yaml ...` with sbatch and checks
+Each scenario submits `resilience template slurm examples/digits/digits.yaml ...` with sbatch and checks
 what users rely on: a stop signal (Slurm's own time-limit warning, ``scancel --batch``, real
 partition preemption) makes both ranks save the same step, the job requeues itself, resumes and
 finishes with weights bitwise equal to an uninterrupted run; array tasks requeue as
@@ -44,7 +44,7 @@ from slurm_cluster import SlurmCluster, pid_alive, wait_for
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
-DIGITS_YAML = REPO / "templates" / "digits.yaml"
+DIGITS_YAML = REPO / "examples" / "digits" / "digits.yaml"
 TRAIN = REPO / "examples" / "digits" / "train.py"
 
 E_SHORT = 15  # epochs of 22 steps: 3-6 s of training for 2 ranks on an idle 2-core machine
@@ -111,7 +111,7 @@ def nice_python(directory: Path) -> Path:
 
 
 def render(directory: Path, *overrides: str, output: str = "out-%j.txt", python: Path | None = None) -> Path:
-    """`resilience template slurm templates/digits.yaml` with this job's paths; returns the script.
+    """`resilience template slurm examples/digits/digits.yaml` with this job's paths; returns the script.
     The job's python is ``python``, default :func:`nice_python`."""
     path = directory / "job.sub"
     python = python or nice_python(directory)

@@ -1,4 +1,4 @@
-"""submitit users get preempt -> save -> requeue -> exact resume, through resilience.submitit.ResilientTask.
+"""submitit users get preempt -> save -> requeue -> exact resume, through resilience.integrations.submitit.ResilientTask.
 
 Real submitit job processes throughout: its LocalExecutor (a controller that restarts a task
 which exits with submitit's requeue code) for deterministic signal timing, and the local Slurm
@@ -20,7 +20,7 @@ import submitit
 
 import submitit_launch
 from resilience import ExitCode
-from resilience.submitit import ResilientTask, TaskExitError, exit_code_of, submitit_preemption_signal
+from resilience.integrations.submitit import ResilientTask, TaskExitError, exit_code_of, submitit_preemption_signal
 from runs import CONFIG, TRAIN, _rows, compare
 from slurm_cluster import pid_alive, slurm_cluster, wait_for  # noqa: F401  (session fixture, used by name)
 

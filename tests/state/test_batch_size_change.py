@@ -12,8 +12,8 @@ import pytest
 
 from resilience import ExitCode
 from resilience.checkpoint.layout import LATEST
-from resilience.checkpoint.manifest import validate
-from resilience.checkpoint.pointers import read_pointer
+from resilience.checkpoint.storage.manifest import validate
+from resilience.checkpoint.storage.pointers import read_pointer
 from sample_runs import run, steps
 
 EPOCH = list(range(48))

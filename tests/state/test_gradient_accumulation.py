@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from resilience import ExitCode, resilient_loop
-from resilience.checkpoint.manifest import validate
+from resilience.checkpoint.storage.manifest import validate
 from runs import compare, latest_name, run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata's set_vital deprecation

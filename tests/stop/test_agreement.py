@@ -1,4 +1,4 @@
-"""resilience.agreement: every rank stops after the same step, within the documented bound.
+"""resilience.stop.agreement: every rank stops after the same step, within the documented bound.
 
 The 2-rank tests start two real processes running this file as a script (``worker`` mode below)
 over a real gloo process group on 127.0.0.1. One run executes every scenario in sequence (one
@@ -47,7 +47,7 @@ CASES = {
 def _run_case(rank, every, flags, steps, explicit):
     import torch.distributed as dist
 
-    from resilience.agreement import StopAgreement
+    from resilience.stop.agreement import StopAgreement
 
     group = dist.new_group(backend="gloo") if explicit else None
     results = []
@@ -60,7 +60,7 @@ def _run_case(rank, every, flags, steps, explicit):
 
 
 def _drain_scenario(rank):
-    from resilience.agreement import StopAgreement
+    from resilience.stop.agreement import StopAgreement
 
     out = {}
     agreement = StopAgreement(every_steps=4)
@@ -88,7 +88,7 @@ def _drain_scenario(rank):
 
 
 def _agree_now_scenario(rank):
-    from resilience.agreement import StopAgreement
+    from resilience.stop.agreement import StopAgreement
 
     with StopAgreement() as agreement:
         return [agreement.agree_now(3 if rank == 1 else 0), agreement.agree_now(True if rank == 0 else 2),
@@ -96,7 +96,7 @@ def _agree_now_scenario(rank):
 
 
 def _cadence_mismatch_scenario(rank):
-    from resilience.agreement import StopAgreement
+    from resilience.stop.agreement import StopAgreement
 
     try:
         StopAgreement(every_steps=2 + rank)
@@ -106,7 +106,7 @@ def _cadence_mismatch_scenario(rank):
 
 
 def _adaptive_scenario(rank):
-    from resilience.agreement import StopAgreement
+    from resilience.stop.agreement import StopAgreement
 
     # Rank 0 proposes k=5 at step 3 (read at step 4 by both); rank 1 flags at step 11: carried by
     # the round started at 15 (the first multiple of 5 after 11), read at 20.
@@ -123,7 +123,7 @@ def _measure(rank):
     import torch
     import torch.distributed as dist
 
-    from resilience.agreement import StopAgreement
+    from resilience.stop.agreement import StopAgreement
 
     def per_call_ms(agreement, steps, busy_s=0.0):
         spent = []
@@ -284,7 +284,7 @@ def test_update_cost_measurement(ranks):
 def test_local_mode_without_process_group():
     import torch.distributed as dist
 
-    from resilience.agreement import StopAgreement
+    from resilience.stop.agreement import StopAgreement
 
     assert not dist.is_initialized()
     with StopAgreement(every_steps=4) as agreement:
@@ -304,7 +304,7 @@ def test_local_mode_without_process_group():
 
 @pytest.mark.parametrize("every, error", [(0, ValueError), (-1, ValueError), (True, TypeError), (1.5, TypeError)])
 def test_bad_every_steps_is_rejected(every, error):
-    from resilience.agreement import StopAgreement
+    from resilience.stop.agreement import StopAgreement
 
     with pytest.raises(error, match="every_steps"):
         StopAgreement(every_steps=every)
@@ -312,7 +312,7 @@ def test_bad_every_steps_is_rejected(every, error):
 
 @pytest.mark.parametrize("flag, error", [(-1, ValueError), (1.0, TypeError), ("1", TypeError)])
 def test_bad_local_stop_is_rejected(flag, error):
-    from resilience.agreement import StopAgreement
+    from resilience.stop.agreement import StopAgreement
 
     with pytest.raises(error, match="local_stop"):
         StopAgreement().update(1, flag)

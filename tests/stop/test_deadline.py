@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilience import ExitCode, progress_guard
-from resilience.checkpoint.manifest import validate
+from resilience import ExitCode
+from resilience.checkpoint.policy import progress_guard
+from resilience.checkpoint.storage.manifest import validate
 from resilience.launch import launch
 from resilience.timing import RunTimer, lead_time_warning, must_stop
 from runs import final_weights

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from resilience import ExitCode
-from resilience.checkpoint.manifest import validate
+from resilience.checkpoint.storage.manifest import validate
 from resilience.launch import launch, resolve_master_port
 from runs import compare
 

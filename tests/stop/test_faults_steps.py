@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from resilience import ExitCode
-from resilience.checkpoint.manifest import validate
+from resilience.checkpoint.storage.manifest import validate
 from resilience.config import load_config
 from resilience.launch import launch
 from runs import compare
@@ -91,9 +91,9 @@ def test_an_exception_mid_step_publishes_nothing_of_it_and_every_rank_exits_fail
 
 def _render(requeue: str) -> str:
     try:
-        from resilience.templates import render_slurm
+        from resilience.slurm.render import render_slurm
     except ImportError as exc:  # the templates module is another engineer's, maybe not there yet
-        pytest.skip(f"resilience.templates.render_slurm is not importable yet ({exc})")
+        pytest.skip(f"resilience.slurm.render.render_slurm is not importable yet ({exc})")
     config = load_config(None, ["step_scheduler.preemption_signal=USR1", f"slurm.requeue={requeue}", "slurm.max_restarts=3"])
     return render_slurm(config, config_path="train.yaml")
 

@@ -17,8 +17,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resilience import ExitCode, resilient_loop
 from resilience.checkpoint.layout import LATEST
-from resilience.checkpoint.manifest import validate
-from resilience.checkpoint.pointers import read_pointer
+from resilience.checkpoint.storage.manifest import validate
+from resilience.checkpoint.storage.pointers import read_pointer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),  # torchdata's set_vital deprecation

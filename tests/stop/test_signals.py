@@ -1,4 +1,4 @@
-"""resilience.signals: spec parsing and the scoped recorder, with real signals and processes."""
+"""resilience.stop.signals: spec parsing and the scoped recorder, with real signals and processes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from resilience.signals import DEFAULT_PREEMPTION_SIGNAL, SignalRecorder, parse_preemption_signal
+from resilience.stop.signals import DEFAULT_PREEMPTION_SIGNAL, SignalRecorder, parse_preemption_signal
 
 S = signal.Signals
 REPO = Path(__file__).resolve().parents[2]
@@ -227,7 +227,7 @@ def _run_child(body: str) -> subprocess.Popen:
     script = textwrap.dedent(
         """
         import os, sys, time
-        from resilience.signals import SignalRecorder, parse_preemption_signal
+        from resilience.stop.signals import SignalRecorder, parse_preemption_signal
         """
     ) + textwrap.dedent(body)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -3,8 +3,8 @@
 ``shard_index.json`` (written with the shards) gives every key's shard, output file index, dtype,
 shape and original dtype, the tied keys stored once (``aliases``) and the aliases a Hugging Face
 bundle leaves out (``bundle_omits``); a checkpoint written before it existed is read from the
-shards' safetensors headers. Consolidation (:mod:`resilience.checkpoint.consolidate`) and the
-model loader (:mod:`resilience.checkpoint.model_io`) read a model directory through here.
+shards' safetensors headers. Consolidation (:mod:`resilience.checkpoint.formats.consolidate`) and the
+model loader (:mod:`resilience.checkpoint.formats.model_io`) read a model directory through here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from resilience.checkpoint.layout import (
     MODEL_SHARD_GLOB,
     SHARD_INDEX,
 )
-from resilience.checkpoint.safetensors_file import ST_DTYPES, read_safetensors_header
+from resilience.checkpoint.storage.safetensors_file import ST_DTYPES, read_safetensors_header
 
 
 class ConsolidateError(ValueError):

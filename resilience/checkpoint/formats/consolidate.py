@@ -12,7 +12,7 @@ left out and ``from_pretrained`` ties it again from ``config.json``. Every other
 by hand that the config does not declare, any tie of a non-Hugging Face model) is written as a
 full copy of its canonical tensor under its own key, since nothing would fill it in on loading.
 ``shard_index.json``'s ``bundle_omits`` (recorded at save time, when the model is at hand) says
-which aliases are left out (see :func:`~resilience.checkpoint.sharded_model.read_bundle_omits`); the bundle index's
+which aliases are left out (see :func:`~resilience.checkpoint.formats.sharded_model.read_bundle_omits`); the bundle index's
 ``metadata.tied_weights`` records every ``{alias: canonical}`` for any other reader.
       config.json  generation_config.json    copied from model/hf_metadata/ (a Hugging Face model)
       tokenizer files                        copied from model/hf_metadata/ (a tokenizer was given)
@@ -44,7 +44,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from resilience.checkpoint.durable import fsync_dir, fsync_file, record, write_bytes
+from resilience.checkpoint.formats.sharded_model import (
+    ConsolidateError,
+    read_aliases,
+    read_bundle_omits,
+    read_layout,
+    resolve_model_dir,
+    with_alias_copies,
+)
 from resilience.checkpoint.layout import (
     BUNDLE_MANIFEST,
     CONSOLIDATED,
@@ -53,15 +60,8 @@ from resilience.checkpoint.layout import (
     HF_METADATA,
     hf_file_name,
 )
-from resilience.checkpoint.safetensors_file import read_safetensors_header
-from resilience.checkpoint.sharded_model import (
-    ConsolidateError,
-    read_aliases,
-    read_bundle_omits,
-    read_layout,
-    resolve_model_dir,
-    with_alias_copies,
-)
+from resilience.checkpoint.storage.durable import fsync_dir, fsync_file, record, write_bytes
+from resilience.checkpoint.storage.safetensors_file import read_safetensors_header
 
 log = logging.getLogger("resilience.consolidate")
 

@@ -13,6 +13,8 @@ from resilience.launch.forwarding import FORWARDED_SIGNALS, RecordedSignals, for
 from resilience.launch.rank_group import POLL_INTERVAL_S
 from resilience.launch.start import launch
 
+HELP = 'start N local ranks (torchrun-like), forward USR1/USR2/TERM/INT to them and exit with their combined code'
+
 
 def _stderr_log(message: str) -> None:
     print(f"resilience run: {message}", file=sys.stderr, flush=True)

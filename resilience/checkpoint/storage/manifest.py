@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.durable import FileRecord, entry_digest, file_digest, write_bytes
 from resilience.checkpoint.layout import MANIFEST
+from resilience.checkpoint.storage.durable import FileRecord, entry_digest, file_digest, write_bytes
 
 FORMAT_VERSION = 1
 

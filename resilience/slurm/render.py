@@ -1,4 +1,4 @@
-"""Slurm batch scripts rendered from the training's own YAML (``resilience template slurm``).
+"""Slurm batch scripts rendered from the training's own YAML (the ``resilience template slurm`` command is :mod:`resilience.cli.template`).
 
 ``render_slurm`` turns a :class:`~resilience.config.ResilienceConfig` into the text of a batch
 script (``templates/slurm.sub``): the ``#SBATCH`` lines from the ``slurm:`` section, and a body
@@ -7,7 +7,7 @@ that traps the stop signal, launches the ranks, forwards the signal, and requeue
 (its first signal) and ``slurm.signal_lead_s``, so the signal Slurm sends and the one training
 listens for come from one setting and cannot disagree.
 
-The script's shell code lives in ``resilience/slurm_templates/*.sh.in`` (package data, read-only);
+The script's shell code lives in ``resilience/slurm/templates/*.sh.in`` (package data, read-only);
 ``@NAME@`` fields in them are filled here. What the script does, in order:
 
 1. installs a fork-free trap for the signal before anything runs, and prints
@@ -36,18 +36,12 @@ environment delays the launch by S seconds (tests use it to signal before the ra
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import functools
 import re
 import shlex
-import sys
-from collections.abc import Sequence
 from importlib import resources
-from pathlib import Path
 
-from resilience.config import ConfigError, ResilienceConfig, load_config
-from resilience.exit_codes import ExitCode
+from resilience.config import ConfigError, ResilienceConfig
 
 #: Signal names ``sbatch --signal`` accepts (Slurm 22.05 ``sig_name2num``; checked with
 #: ``sbatch --test-only``), less the ones a batch script cannot use: KILL and STOP cannot be
@@ -64,7 +58,7 @@ _FIELD = re.compile(r"@([A-Z_]+)@")
 @functools.cache
 def _source(name: str) -> str:
     """A template source from the package (immutable package data, read once)."""
-    return resources.files("resilience").joinpath("slurm_templates", name).read_text()
+    return resources.files("resilience.slurm").joinpath("templates", name).read_text()
 
 
 def slurm_signal(config: ResilienceConfig) -> str:
@@ -113,11 +107,12 @@ def _sbatch_lines(config: ResilienceConfig, signal_name: str) -> list[str]:
     return [f"#SBATCH {line}" for line in lines]
 
 
-def _header(config: ResilienceConfig, config_path: str, signal_name: str) -> str:
+def _header(config: ResilienceConfig, config_path: str | None, signal_name: str) -> str:
     s = config.slurm
+    source = config_path if config_path is not None else "the default configuration (no YAML)"
     return "\n".join(
         [
-            f"# Slurm batch script rendered from {config_path} by `resilience template slurm`.",
+            f"# Slurm batch script rendered from {source} by `resilience template slurm`.",
             "# Edit the YAML and render again rather than this file: the --signal line below and the",
             "# training's step_scheduler.preemption_signal come from the same setting.",
             "#",
@@ -127,8 +122,10 @@ def _header(config: ResilienceConfig, config_path: str, signal_name: str) -> str
     )
 
 
-def _command(config: ResilienceConfig, config_path: str) -> str:
+def _command(config: ResilienceConfig, config_path: str | None) -> str:
     s = config.slurm
+    if config_path is None and any(CONFIG_PLACEHOLDER in a for a in s.script_args):
+        raise ConfigError(f"slurm.script_args: {CONFIG_PLACEHOLDER} stands for the YAML's path, but the script is rendered without a YAML")
     args = [s.script, *(a.replace(CONFIG_PLACEHOLDER, config_path) for a in s.script_args)]
     return " ".join(shlex.quote(a) for a in args)
 
@@ -158,7 +155,7 @@ def _master_addr(config: ResilienceConfig) -> str:
     )
 
 
-def render_slurm(config: ResilienceConfig, *, config_path: str) -> str:
+def render_slurm(config: ResilienceConfig, *, config_path: str | None) -> str:
     """The batch script for ``config``, as text (see the module docstring for what it does).
 
     Pure: the result depends only on the arguments (and the package's own template sources); no
@@ -170,10 +167,12 @@ def render_slurm(config: ResilienceConfig, *, config_path: str) -> str:
             ``step_scheduler.preemption_signal`` are used.
         config_path: the YAML's path as the job will see it (relative to the submit directory or
             absolute); it replaces ``{config}`` in ``slurm.script_args`` and is named in the header.
+            ``None`` for a script rendered from the defaults alone (``templates/slurm.sub``).
 
     Raises:
-        ConfigError: no usable preemption signal (see :func:`slurm_signal`), or an ``#SBATCH``
-            option containing a line break.
+        ConfigError: no usable preemption signal (see :func:`slurm_signal`), an ``#SBATCH``
+            option containing a line break, or ``{config}`` in ``slurm.script_args`` with no
+            ``config_path``.
     """
     s = config.slurm
     signal_name = slurm_signal(config)
@@ -198,67 +197,3 @@ def render_slurm(config: ResilienceConfig, *, config_path: str) -> str:
     }
     # One pass, so text inserted from the configuration is never scanned for fields itself.
     return _FIELD.sub(lambda m: values[m.group(1)], text)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``template`` command's arguments to ``parser`` (``resilience template slurm ...``)."""
-    parser.add_argument("kind", choices=["slurm"], help="what to render: a Slurm batch script")
-    parser.add_argument("config", metavar="CONFIG.yaml", help="the training's YAML, with a slurm: section")
-    parser.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="section.key=value",
-        help="dotted overrides applied before rendering; those outside slurm.* are also appended "
-        "to every rank's arguments, so the training reads the same values",
-    )
-    parser.add_argument("-o", "--output", metavar="FILE", help="write the script here instead of stdout")
-    return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    """Render per parsed :func:`add_arguments` arguments; print it (or write ``--output``).
-
-    Returns 0, or ``ExitCode.CONFIG_ERROR`` (2) with the reason on stderr for a bad
-    configuration or an unwritable output file.
-    """
-    try:
-        config = load_config(args.config, args.overrides)
-        training = [o for o in args.overrides if not o.lstrip("-").startswith("slurm.")]
-        if training:
-            slurm = dataclasses.replace(config.slurm, script_args=[*config.slurm.script_args, *training])
-            config = dataclasses.replace(config, slurm=slurm)
-        text = render_slurm(config, config_path=args.config)
-        if not _has_slurm_section(args.config) and not any(o.lstrip("-").startswith("slurm.") for o in args.overrides):
-            print(f"resilience template: {args.config} has no slurm: section; rendered with the defaults "
-                  f"(slurm.script: {config.slurm.script}, slurm.script_args: {config.slurm.script_args}, "
-                  f"slurm.nproc_per_node: {config.slurm.nproc_per_node}). Set them, e.g. script_args: [--config, {args.config}]",
-                  file=sys.stderr)
-    except ConfigError as error:
-        print(f"resilience template: {error}", file=sys.stderr)
-        return int(ExitCode.CONFIG_ERROR)
-    if args.output:
-        try:
-            with open(args.output, "w") as handle:
-                handle.write(text)
-        except OSError as error:
-            print(f"resilience template: cannot write {args.output}: {error}", file=sys.stderr)
-            return int(ExitCode.CONFIG_ERROR)
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
-def _has_slurm_section(path: str) -> bool:
-    """Whether the YAML at ``path`` (already loaded once by :func:`load_config`) has a ``slurm`` key."""
-    import yaml
-
-    try:
-        return "slurm" in (yaml.safe_load(Path(path).read_text()) or {})
-    except (OSError, ValueError, TypeError, yaml.YAMLError):
-        return True  # load_config read it: nothing to warn about here
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``resilience template`` on its own: parse ``argv`` (default ``sys.argv[1:]``) and :func:`run`."""
-    parser = add_arguments(argparse.ArgumentParser(prog="resilience template", description=__doc__.splitlines()[0]))
-    return run(parser.parse_args(argv))

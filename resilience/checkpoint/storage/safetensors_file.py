@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from resilience.checkpoint.durable import DurableFile, FileRecord
+from resilience.checkpoint.storage.durable import DurableFile, FileRecord
 
 # safetensors header dtype codes -> torch dtype names (the names used in our JSON files).
 ST_DTYPES = {

@@ -1,6 +1,6 @@
 """Optimizer state via ``torch.distributed.checkpoint`` (DCP) under ``optim/``.
 
-Only tensors go to DCP (see :mod:`resilience.checkpoint.dcp_io`); everything else (param
+Only tensors go to DCP (see :mod:`resilience.checkpoint.storage.dcp_io`); everything else (param
 groups, Python scalars, tensor shapes and dtypes needed to pre-allocate the load targets) goes
 to ``optim/skeleton.json``.
 """
@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from resilience.checkpoint import dcp_io
-from resilience.checkpoint.dcp_io import UnsafeCheckpointError  # noqa: F401  (re-exported)
-from resilience.checkpoint.durable import FileRecord
 from resilience.checkpoint.layout import LR_SCHEDULER, OPTIM_DIR, SKELETON
+from resilience.checkpoint.storage import dcp_io
+from resilience.checkpoint.storage.dcp_io import UnsafeCheckpointError  # noqa: F401  (re-exported)
+from resilience.checkpoint.storage.durable import FileRecord
 
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import LOWEST_VAL, list_checkpoints, pointer_text_name
-from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
-from resilience.checkpoint.pointers import PointerError, read_pointer, write_pointer
+from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
+from resilience.checkpoint.storage.pointers import PointerError, read_pointer, write_pointer
 
 log = logging.getLogger("resilience.checkpoint")
 

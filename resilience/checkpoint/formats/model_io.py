@@ -6,7 +6,7 @@
       shard-00001-model-00001-of-00001.safetensors   rank K-1 writes shard-0000K-...; 0000I-of-0000N
       shard-00002-model-00001-of-00001.safetensors   is the consolidated file the tensors belong to
       shard_index.json        tensor -> shard file, dtype, shape, consolidated file, original dtype
-      consolidate.sh          writes model/consolidated/ later (see resilience.checkpoint.consolidate)
+      consolidate.sh          writes model/consolidated/ later (see resilience.checkpoint.formats.consolidate)
       hf_metadata/            config.json, generation_config.json, tokenizer files (HF objects only)
       consolidated/           the Hugging Face bundle, when checkpoint.save_consolidated asks for it
 
@@ -48,10 +48,9 @@ try:
 except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor
 
-from resilience.checkpoint import consolidate as consolidation
-from resilience.checkpoint import dcp_io, hf_export, sharded_model
 from resilience.checkpoint.balance import balance
-from resilience.checkpoint.durable import FileRecord
+from resilience.checkpoint.formats import consolidate as consolidation
+from resilience.checkpoint.formats import hf_export, sharded_model
 from resilience.checkpoint.layout import (
     ADAPTER_CONFIG,
     CONSOLIDATE_SH,
@@ -64,7 +63,9 @@ from resilience.checkpoint.layout import (
     SHARD_INDEX,
     model_shard_name,
 )
-from resilience.checkpoint.safetensors_file import read_safetensors, write_safetensors
+from resilience.checkpoint.storage import dcp_io
+from resilience.checkpoint.storage.durable import FileRecord
+from resilience.checkpoint.storage.safetensors_file import read_safetensors, write_safetensors
 
 log = logging.getLogger("resilience.checkpoint")
 
@@ -279,8 +280,8 @@ def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.
 
 
 def consolidate_script() -> str:
-    """The text of ``model/consolidate.sh`` (package data ``resilience/checkpoint/consolidate.sh``)."""
-    return importlib.resources.files("resilience.checkpoint").joinpath(CONSOLIDATE_SH).read_text()
+    """The text of ``model/consolidate.sh`` (package data ``resilience/checkpoint/formats/consolidate.sh``)."""
+    return importlib.resources.files("resilience.checkpoint.formats").joinpath(CONSOLIDATE_SH).read_text()
 
 
 def _cpu_copies(state: dict[str, torch.Tensor]):

@@ -22,8 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from resilience.checkpoint.durable import DurableFile, FileRecord
 from resilience.checkpoint.layout import DCP_METADATA
+from resilience.checkpoint.storage.durable import DurableFile, FileRecord
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):

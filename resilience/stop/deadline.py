@@ -15,7 +15,7 @@ from typing import Any
 from resilience import timing
 from resilience.config import ResilienceConfig
 from resilience.env_names import SIGNAL_LEAD_S_ENV
-from resilience.slurm import SlurmJob
+from resilience.slurm.job import SlurmJob
 
 log = logging.getLogger("resilience")
 

@@ -3,7 +3,7 @@
 ::
 
     import submitit
-    from resilience.submitit import ResilientTask, submitit_preemption_signal
+    from resilience.integrations.submitit import ResilientTask, submitit_preemption_signal
 
     def train(argv: list[str]) -> int:          # runs resilient_loop, returns loop.exit_code
         ...
@@ -25,7 +25,7 @@ How the pieces meet (submitit 1.5, ``submitit/core/job_environment.py``):
   saved anything (and our recorder, which chains to it, would not stop that).
 * :class:`ResilientTask` puts a *gate* on that signal while the training function runs. While a
   ``resilient_loop`` is recording the signal (``step_scheduler.preemption_signal`` includes it),
-  the loop's :class:`~resilience.signals.SignalRecorder` is the installed handler; it records and
+  the loop's :class:`~resilience.stop.signals.SignalRecorder` is the installed handler; it records and
   chains to the gate, which returns at once. The loop agrees a stop step across ranks, every rank
   saves it, and the function returns ``ExitCode.PREEMPTED``. Only then, from the main thread, does
   the task call submitit's own handler, which classifies timed-out vs preempted (walltime >=
@@ -76,8 +76,8 @@ from submitit.core.job_environment import JobEnvironment, SignalHandler
 from submitit.core.logger import get_logger
 
 from resilience.exit_codes import ExitCode
-from resilience.signals import SignalRecorder
-from resilience.slurm import SlurmJob
+from resilience.slurm.job import SlurmJob
+from resilience.stop.signals import SignalRecorder
 
 DEFAULT_REQUEUE_WAIT_S = 120.0
 

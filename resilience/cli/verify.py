@@ -25,8 +25,10 @@ from resilience.checkpoint.layout import (
     list_checkpoints,
     parse_checkpoint_name,
 )
-from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, within
+from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, within
 from resilience.exit_codes import ExitCode
+
+HELP = "check every file's size and digest against the manifest of a checkpoint, or of every checkpoint under a root; exit 1 on any failure"
 
 
 def _targets(path: Path) -> tuple[list[Path], list[str]]:
@@ -47,7 +49,7 @@ def _check_files(directory: Path, files: dict[str, Any], result: dict[str, Any],
     """Check each ``files`` entry (``{relative path: {"size", digest}}``, under ``directory``)
     against the bytes on disk; failures are appended to ``result["failures"]`` named
     ``prefix + path``, counts added to ``result``."""
-    from resilience.checkpoint.manifest import digest_problem, size_problem, well_formed
+    from resilience.checkpoint.storage.manifest import digest_problem, size_problem, well_formed
 
     failures = result["failures"]
     for rel, want in sorted(files.items()):
@@ -126,7 +128,7 @@ def verify_path(path: Path, *, progress: bool = True) -> dict[str, Any]:
     """
     from tqdm import tqdm
 
-    from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
+    from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
 
     directories, leftovers = _targets(path)
     manifests: list[tuple[Path, dict[str, Any] | None, str | None]] = []
@@ -169,7 +171,7 @@ def format_verify(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_verify_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``PATH``, ``--json``, ``--no-progress``."""
     parser.add_argument("path", metavar="PATH", help="a checkpoint directory, or a checkpoint root (then every checkpoint in it)")
     parser.add_argument("--json", action="store_true", help="print a JSON document instead of text")
@@ -177,7 +179,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def run_verify(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Verify ``args.path``: 0 when every checksum matches, 1 on any failure, 2 on bad arguments."""
     try:
         path = existing_dir(args.path, "PATH")

@@ -3,7 +3,7 @@
 It tabulates every checkpoint (published, incomplete, corrupt, marked bad, abandoned), the pointers
 (``LATEST``, ``LOWEST_VAL``, any other top-level symlink or ``NAME.txt`` pointer), and which
 checkpoint a resume would pick and why. It never writes: it calls
-:func:`~resilience.checkpoint.manifest.validate` itself instead of the reader's ``_choose``, which
+:func:`~resilience.checkpoint.storage.manifest.validate` itself instead of the reader's ``_choose``, which
 marks invalid checkpoints ``.bad``.
 
 Only the standard library is imported at import time, so registering the command in
@@ -22,8 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import LATEST, LOWEST_VAL, POINTER_SUFFIX, pointer_text_name
-from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, saved_section, within
+from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, saved_section, within
 from resilience.exit_codes import ExitCode
+
+HELP = (
+    "a table of the checkpoints under CHECKPOINT_DIR (complete, incomplete, corrupt, marked bad; pointers; metric) "
+    "and which one a resume would pick and why; never writes"
+)
 
 _POINTER_ORDER = (LATEST, LOWEST_VAL)
 
@@ -90,7 +95,7 @@ def _check(path: Path, deep: bool) -> tuple[str, str | None, dict[str, Any]]:
     """``(state, problem, meta)`` of a published-looking directory; state is ``complete``,
     ``incomplete`` (no manifest) or ``corrupt``; ``.bad`` is not looked at here."""
     from resilience.checkpoint.layout import MANIFEST
-    from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest, validate
+    from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest, validate
 
     if not path.is_dir():
         return "missing", "no such directory", {}
@@ -160,7 +165,7 @@ def _pointer_names(root: Path) -> list[str]:
 
 
 def _read_pointers(root: Path) -> dict[str, dict[str, Any]]:
-    from resilience.checkpoint.pointers import PointerError, read_pointer
+    from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 
     pointers = {}
     for name in _pointer_names(root):
@@ -313,10 +318,10 @@ def inspect_root(root: Path, *, deep: bool = False) -> dict[str, Any]:
 
 
 def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:
-    """The requeue-loop guard's counts (``.starts.json``, :mod:`resilience.progress_guard`) and
+    """The requeue-loop guard's counts (``.starts.json``, :mod:`resilience.checkpoint.policy.progress_guard`) and
     whether, and why, the next start from ``pick`` would exit 76; ``None`` when nothing is counted."""
     from resilience.checkpoint.layout import STARTS_FILE
-    from resilience.progress_guard import before_next_start, read, verdict
+    from resilience.checkpoint.policy.progress_guard import before_next_start, read, verdict
 
     doc = read(root)
     if doc is None:
@@ -376,7 +381,7 @@ def format_status(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_status_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``CHECKPOINT_DIR``, ``--deep``, ``--json``."""
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint root (checkpoint.checkpoint_dir)")
     parser.add_argument("--deep", action="store_true", help="also compare every file's digest (reads every byte)")
@@ -384,7 +389,7 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def run_status(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Print the status of ``args.checkpoint_dir``; 0, or 2 when it is not a directory."""
     try:
         root = existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR")

@@ -1,7 +1,7 @@
 """``resilience consolidate DIR``: the command behind every checkpoint's ``model/consolidate.sh``.
 
 Kept free of torch imports so registering it does not slow down ``resilience run``; the work is in
-:func:`resilience.checkpoint.consolidate.consolidate`. Options default to the environment
+:func:`resilience.checkpoint.formats.consolidate.consolidate`. Options default to the environment
 variables NeMo AutoModel's helper reads: ``NPROC_PER_NODE`` (1), ``NUM_THREADS`` (5) and
 ``CAST_DTYPE`` (unset: original dtypes).
 """
@@ -17,6 +17,8 @@ from resilience.checkpoint.layout import CONSOLIDATED
 from resilience.env_names import CONSOLIDATE
 from resilience.exit_codes import ExitCode
 from resilience.local_paths import local_path
+
+HELP = "write model/consolidated/ (a Hugging Face bundle) from a checkpoint's sharded safetensors; what model/consolidate.sh runs"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         return int(ExitCode.CONFIG_ERROR)
     cast = args.cast_dtype if args.cast_dtype is not None else os.environ.get(CONSOLIDATE["cast_dtype"])
 
-    from resilience.checkpoint.consolidate import ConsolidateError, consolidate  # imports torch
+    from resilience.checkpoint.formats.consolidate import ConsolidateError, consolidate  # imports torch
 
     try:
         out = consolidate(directory, output, nproc=nproc, num_threads=threads, cast_dtype=cast, progress=not args.no_progress)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from resilience.checkpoint.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, HF_CONFIG, HF_INDEX, HF_SINGLE_FILE
-from resilience.checkpoint.safetensors_file import ST_DTYPES, read_safetensors_header
+from resilience.checkpoint.storage.safetensors_file import ST_DTYPES, read_safetensors_header
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -11,7 +11,7 @@ timeline next to the abandoned one. When it reaches a step whose directory holds
 another timeline, that directory is moved aside to ``<name>.abandoned-<UTC time>`` (never
 deleted, never followed by a reader, never removed by retention) with a warning naming it;
 only a re-save of the very checkpoint being continued replaces it in place. Retention keeps the
-newest checkpoints of the lineage being trained first (:mod:`resilience.checkpoint.retention`),
+newest checkpoints of the lineage being trained first (:mod:`resilience.checkpoint.policy.retention`),
 and a start without ``LATEST`` picks the most recently saved checkpoint, not the highest step
 (:mod:`resilience.checkpoint.reader`). Checkpoints written before this metadata existed have no
 parent: their lineage is themselves alone, and they load as before.
@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.durable import fsync_dir
 from resilience.checkpoint.layout import ABANDONED_INFIX, parse_checkpoint_name
-from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
+from resilience.checkpoint.storage.durable import fsync_dir
+from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
 
 
 def meta_of(directory: Path) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Semantics follow NeMo AutoModel's ``checkpoint.max_recent_checkpoints``:
 
 * the window is the newest ``keep`` checkpoint directories, ordered by global step (then epoch),
-  the lineage of the checkpoint just published first (:mod:`resilience.checkpoint.lineage`);
+  the lineage of the checkpoint just published first (:mod:`resilience.checkpoint.policy.lineage`);
   after a rollback, the abandoned timeline's checkpoints at higher steps than the one just
   published are neither counted nor removed (the user deletes them; the run sets each aside when
   it reaches its step), so they never push out the newest checkpoints of the timeline being trained;
@@ -28,10 +28,10 @@ import os
 import shutil
 from pathlib import Path
 
-from resilience.checkpoint.durable import fsync_dir
 from resilience.checkpoint.layout import POINTER_SUFFIX, PRUNING_PREFIX, list_checkpoints, parse_checkpoint_name
-from resilience.checkpoint.lineage import lineage
-from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
+from resilience.checkpoint.policy.lineage import lineage
+from resilience.checkpoint.storage.durable import fsync_dir
+from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
 
 log = logging.getLogger("resilience.checkpoint")
 

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import CONFIG, MANIFEST, list_checkpoints
-from resilience.cli_io import JSON_VERSION, UsageError, existing_dir, print_doc, saved_section
+from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, print_doc, saved_section
 from resilience.exit_codes import ExitCode
+
+HELP = "recommend #SBATCH --signal=B:USR1@N from the step and save times recorded in the checkpoints' manifests"
 
 SLURM_SIGNAL_INTERVAL_S = 30
 """Slurm checks ``--signal`` times about every 30 s, so a signal asked for ``@N`` arrives
@@ -40,7 +42,7 @@ def _number(value: Any) -> float | None:
 def _recorded_timings(root: Path) -> list[dict[str, Any]]:
     """``{"name", "saved_at", "step_s", "save_s"}`` of every readable manifest under ``root``
     (or of ``root`` itself when it is a checkpoint), newest first."""
-    from resilience.checkpoint.manifest import CheckpointInvalid, read_manifest
+    from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
 
     directories = [root] if (root / MANIFEST).exists() else list_checkpoints(root)
     rows = []
@@ -174,7 +176,7 @@ def format_advice(doc: dict[str, Any]) -> str:
     ])
 
 
-def add_advise_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``CHECKPOINT_DIR``, ``--safety``, ``--agreement-every-steps``, ``--median``, ``--json``."""
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint root (or one checkpoint directory)")
     parser.add_argument("--safety", default="1.5", help="factor on step + save time (default 1.5, as step_scheduler.deadline_safety)")
@@ -206,7 +208,7 @@ def _parse_advise(args: argparse.Namespace) -> tuple[Path, float, int | str | No
     return existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR"), safety, every
 
 
-def run_advise(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Print the recommended lead time; 1 when no timings are recorded, 2 on bad arguments."""
     try:
         root, safety, every = _parse_advise(args)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from resilience.checkpoint.durable import fsync_dir, write_bytes
 from resilience.checkpoint.layout import pointer_text_name
+from resilience.checkpoint.storage.durable import fsync_dir, write_bytes
 
 
 class PointerError(ValueError):

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from resilience.checkpoint.layout import LATEST, MANIFEST
-from resilience.checkpoint.pointers import PointerError, read_pointer
+from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 from resilience.config import CheckpointConfig
 
 
