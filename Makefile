@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/digits/demo.py
 
-# Lint first: a ruff violation (style, unused code, a missing docstring in resilience/) fails the target.
+# Lint first: a ruff violation (style, unused code, a missing docstring in resilience/) or an unformatted file fails the target.
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test: lint
 	$(PY) -m pytest

@@ -121,8 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench import ddp, storage
 
         section("save", lambda: storage.bench_save(run_dir, model, optimizer, args.repeat, log))
-        section("load", lambda: storage.bench_load(run_dir, model, optimizer, args.repeat, log)
-                if "error" not in results.get("save", {}) else _raise("the save section failed"))
+        section(
+            "load",
+            lambda: (
+                storage.bench_load(run_dir, model, optimizer, args.repeat, log) if "error" not in results.get("save", {}) else _raise("the save section failed")
+            ),
+        )
         if model is not None and not args.no_breakdown and "save" in args.only:
             args.only.append("breakdown")
             section("breakdown", lambda: storage.breakdown(run_dir, model, optimizer))
@@ -136,14 +140,31 @@ def main(argv: list[str] | None = None) -> int:
             section("async", lambda: async_save.bench_async(run_dir, model, optimizer, args.repeat, log))
         model = optimizer = None  # free them before the agreement runs (the lambdas above have run)
         quick = args.quick
-        section("agreement", lambda: ddp.bench_agreement(
-            run_dir, rounds=1 if quick else max(2 * args.repeat, 4), steps=20 if quick else 300, big_k=10,
-            latency_trials=1 if quick else max(args.repeat, 3), saves=1 if quick else 3, timeout_s=120 if quick else 900, log=log,
-        ))
-        section("exit", lambda: ddp.bench_exit(
-            run_dir, trials=1 if quick else max(1, min(args.repeat, 3)), modes=("one",) if quick else ("all", "one"),
-            after_steps=20, timeout_s=120, log=log, teardown_cases=("plain",) if quick else ("plain", "gc_freeze", "os_exit"),
-        ))
+        section(
+            "agreement",
+            lambda: ddp.bench_agreement(
+                run_dir,
+                rounds=1 if quick else max(2 * args.repeat, 4),
+                steps=20 if quick else 300,
+                big_k=10,
+                latency_trials=1 if quick else max(args.repeat, 3),
+                saves=1 if quick else 3,
+                timeout_s=120 if quick else 900,
+                log=log,
+            ),
+        )
+        section(
+            "exit",
+            lambda: ddp.bench_exit(
+                run_dir,
+                trials=1 if quick else max(1, min(args.repeat, 3)),
+                modes=("one",) if quick else ("all", "one"),
+                after_steps=20,
+                timeout_s=120,
+                log=log,
+                teardown_cases=("plain",) if quick else ("plain", "gc_freeze", "os_exit"),
+            ),
+        )
     finally:
         remove(run_dir)
         try:
@@ -162,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     state = meta.get("state_bytes")
     title = f"State: {human_bytes(state)} fp32 in {meta.get('state_tensors')} tensors (model + Adam)" if state else "State: n/a"
     print(f"## Benchmarks ({meta['started_at']}, {meta['cpus']} CPUs, torch {meta['torch']}, {fstype} at {mount})\n")
-    print(f"{title}; medians of {args.repeat} round(s), each ratio paired with its anchor in the same round; "
-          f"load average {meta['loadavg_at_start'][0]:.1f} at the start, {meta['loadavg_at_end'][0]:.1f} at the end.\n")
+    print(
+        f"{title}; medians of {args.repeat} round(s), each ratio paired with its anchor in the same round; "
+        f"load average {meta['loadavg_at_start'][0]:.1f} at the start, {meta['loadavg_at_end'][0]:.1f} at the end.\n"
+    )
     print(report.table(fig, meta))
     if isinstance(results.get("breakdown"), dict) and "save" in results["breakdown"]:
         print("\nWhere our save and load spend their time (one run, phases nest):\n")

@@ -84,8 +84,9 @@ def bench_async(work: Path, model, optimizer, repeat: int, log: Callable[[str], 
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        stagers["dcp_async_staged"] = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
-                                                                   use_non_blocking_copy=False))
+        stagers["dcp_async_staged"] = DefaultStager(
+            StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False)
+        )
     except Exception:  # noqa: BLE001 - an older torch: that peer is simply not measured
         pass
 

@@ -42,9 +42,24 @@ def bench_agreement(
     remove(out)
     remove(ckpt)
     cmd = [
-        sys.executable, "-u", "-m", "bench.ddp_worker", "--out", str(out), "--ckpt-dir", str(ckpt),
-        "--rounds", str(rounds), "--steps", str(steps), "--big-k", str(big_k),
-        "--latency-trials", str(latency_trials), "--saves", str(saves),
+        sys.executable,
+        "-u",
+        "-m",
+        "bench.ddp_worker",
+        "--out",
+        str(out),
+        "--ckpt-dir",
+        str(ckpt),
+        "--rounds",
+        str(rounds),
+        "--steps",
+        str(steps),
+        "--big-k",
+        str(big_k),
+        "--latency-trials",
+        str(latency_trials),
+        "--saves",
+        str(saves),
     ]
     with launch(cmd, 2, env=_env(), failure_grace_s=5.0) as group:
         try:
@@ -130,8 +145,13 @@ def signal_to_exit(work: Path, *, mode: str, after_steps: int, timeout_s: float,
     root = work / f"exit_{mode}"
     remove(root)
     cmd = [
-        sys.executable, "-u", str(EXAMPLE / "train.py"), "--config", str(EXAMPLE / "digits.yaml"),
-        f"checkpoint.checkpoint_dir={root}", "step_scheduler.num_epochs=100000",
+        sys.executable,
+        "-u",
+        str(EXAMPLE / "train.py"),
+        "--config",
+        str(EXAMPLE / "digits.yaml"),
+        f"checkpoint.checkpoint_dir={root}",
+        "step_scheduler.num_epochs=100000",
     ]
     rows = root / "training.jsonl"
     exited: dict[int, float] = {}
@@ -144,9 +164,11 @@ def signal_to_exit(work: Path, *, mode: str, after_steps: int, timeout_s: float,
         time.sleep(random.Random(seed).uniform(0.0, 0.1))  # land anywhere inside a step
         waiters = []
         for local, proc in enumerate(group.procs):
+
             def wait(local: int = local, proc: subprocess.Popen = proc) -> None:
                 proc.wait()
                 exited[local] = time.monotonic()
+
             waiters.append(threading.Thread(target=wait, daemon=True))
         for thread in waiters:
             thread.start()
@@ -180,7 +202,13 @@ def signal_to_exit(work: Path, *, mode: str, after_steps: int, timeout_s: float,
 
 
 def bench_exit(
-    work: Path, *, trials: int, modes: tuple[str, ...], after_steps: int, timeout_s: float, log: Callable[[str], None],
+    work: Path,
+    *,
+    trials: int,
+    modes: tuple[str, ...],
+    after_steps: int,
+    timeout_s: float,
+    log: Callable[[str], None],
     teardown_cases: tuple[str, ...] = ("plain", "gc_freeze", "os_exit"),
 ) -> dict[str, Any]:
     """``trials`` runs per mode (``all``, ``one``), alternating; medians per mode; and the
@@ -191,8 +219,10 @@ def bench_exit(
             row = signal_to_exit(work, mode=mode, after_steps=after_steps, timeout_s=timeout_s, seed=t)
             results[mode].append(row)
             published = "n/a" if row["published_s"] is None else f"{row['published_s']:.3f} s"
-            log(f"signal to exit ({mode} ranks signalled) trial {t + 1}/{trials}: checkpoint published after {published}, "
-                f"both ranks exited after {row['seconds']:.3f} s, exit codes {row['exit_codes']}, saved {row['checkpoint']}")
+            log(
+                f"signal to exit ({mode} ranks signalled) trial {t + 1}/{trials}: checkpoint published after {published}, "
+                f"both ranks exited after {row['seconds']:.3f} s, exit codes {row['exit_codes']}, saved {row['checkpoint']}"
+            )
     teardown = interpreter_teardown(trials, teardown_cases)
     log("python teardown with torch imported: " + ", ".join(f"{k} {v['median_s']:.3f} s" for k, v in teardown.items()))
     return {

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = ["none", "ours_k1", f"ours_k{big_k}", "ours_auto", "blocking"]
     per_block: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for r in range(args.rounds):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for variant in order:
             dist.barrier()
             block(variant, args.warmup)
@@ -219,20 +219,23 @@ def main(argv: list[str] | None = None) -> int:
             dist.all_gather_object(rows, {"agreed_at": agreed_at, "agreed_step": agreed_step, "first_flag": first_flag})
             if rank == 0:
                 signalled = rows[world - 1]
-                trials.append({
-                    "seconds": max(row["agreed_at"] for row in rows) - kill_at[0],
-                    "steps": signalled["agreed_step"] - signalled["first_flag"],
-                    "same_step_on_all_ranks": len({row["agreed_step"] for row in rows}) == 1,
-                    "every_steps_at_stop": agreement.every_steps,
-                })
+                trials.append(
+                    {
+                        "seconds": max(row["agreed_at"] for row in rows) - kill_at[0],
+                        "steps": signalled["agreed_step"] - signalled["first_flag"],
+                        "same_step_on_all_ranks": len({row["agreed_step"] for row in rows}) == 1,
+                        "every_steps_at_stop": agreement.every_steps,
+                    }
+                )
         if rank == 0:
             print(f"stop latency k={k}: " + ", ".join(f"{t['seconds'] * 1e3:.1f} ms/{t['steps']} steps" for t in trials), flush=True)
 
     # -- one save of this run's state, as the loop would write it ------------------------------
     state = TrainingState(model=run.net, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler, dataloader=run.loader)
     scheduler = StepScheduler(num_epochs=1, global_step=counter[0])
-    checkpointer = Checkpointer(CheckpointConfig(checkpoint_dir=args.ckpt_dir), DistContext(rank=rank, world_size=world, group=side),
-                                state=state, scheduler=scheduler)
+    checkpointer = Checkpointer(
+        CheckpointConfig(checkpoint_dir=args.ckpt_dir), DistContext(rank=rank, world_size=world, group=side), state=state, scheduler=scheduler
+    )
     save_s = []
     for _ in range(args.saves):
         dist.barrier()
@@ -241,8 +244,15 @@ def main(argv: list[str] | None = None) -> int:
         checkpointer.save()
         save_s.append(time.perf_counter() - start)
     if rank == 0:
-        result = {"world_size": world, "steps_per_block": args.steps, "rounds": args.rounds, "big_k": big_k, "blocks": per_block,
-                  "stop_latency": latency, "save_s": save_s}
+        result = {
+            "world_size": world,
+            "steps_per_block": args.steps,
+            "rounds": args.rounds,
+            "big_k": big_k,
+            "blocks": per_block,
+            "stop_latency": latency,
+            "save_s": save_s,
+        }
         Path(args.out).write_text(json.dumps(result, indent=1))
     dist.barrier()
     dist.destroy_process_group()

@@ -82,8 +82,9 @@ def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, ever
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # the harness asks a hung survivor where it is
     timeout = datetime.timedelta(seconds=60)
     if os.environ.get(STORE_ENV):  # forked ranks: a file store, no TCP connect-and-retry race at start
-        dist.init_process_group("gloo", init_method=f"file://{os.environ[STORE_ENV]}", timeout=timeout,
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.environ[STORE_ENV]}", timeout=timeout, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+        )
     else:
         dist.init_process_group("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -118,13 +119,16 @@ def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, ever
     writer.fault_hook = hook
     event("start")
 
-    cfg = load_config(None, [
-        f"checkpoint.checkpoint_dir={ckpt_dir}",
-        f"checkpoint.is_async={'true' if mode == 'async' else 'false'}",
-        f"step_scheduler.num_epochs={EPOCHS}",
-        f"step_scheduler.ckpt_every_steps={every}",
-        "step_scheduler.preemption_signal=[USR1, TERM]",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"checkpoint.checkpoint_dir={ckpt_dir}",
+            f"checkpoint.is_async={'true' if mode == 'async' else 'false'}",
+            f"step_scheduler.num_epochs={EPOCHS}",
+            f"step_scheduler.ckpt_every_steps={every}",
+            "step_scheduler.preemption_signal=[USR1, TERM]",
+        ],
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
     net = torch.nn.parallel.DistributedDataParallel(model)
@@ -182,8 +186,9 @@ class ForkedRanks:
                     out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                     os.dup2(out, 1)
                     os.dup2(out, 2)
-                    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{STORE_ENV: str(store)})
+                    os.environ.update(
+                        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{STORE_ENV: str(store)}
+                    )
                     code = train(*args)
                 except BaseException:  # noqa: BLE001 - report it in the log, exit 1
                     traceback.print_exc()
@@ -377,18 +382,34 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=200, help="number of kill-and-resume trials (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill times and targets (default 0)")
     parser.add_argument("--every", type=int, default=3, help="save every N steps (default 3; 40 steps per run)")
-    parser.add_argument("--phase-sleep", type=float, default=0.004, metavar="S",
-                        help=f"seconds to sleep at each publishing step of a save ({', '.join(PUBLISH_PHASES)}; default 0.004)")
-    parser.add_argument("--survivor-grace", type=float, default=5.0, metavar="S",
-                        help="seconds a rank that was not killed may take to exit by itself (default 5), "
-                        "then its stack is dumped to its log (SIGUSR2, faulthandler) and it is killed")
-    parser.add_argument("--start", choices=("fork", "exec"), default="fork",
-                        help="fork ranks from this process (default, fast) or exec fresh interpreters via resilience.launch")
+    parser.add_argument(
+        "--phase-sleep",
+        type=float,
+        default=0.004,
+        metavar="S",
+        help=f"seconds to sleep at each publishing step of a save ({', '.join(PUBLISH_PHASES)}; default 0.004)",
+    )
+    parser.add_argument(
+        "--survivor-grace",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds a rank that was not killed may take to exit by itself (default 5), "
+        "then its stack is dumped to its log (SIGUSR2, faulthandler) and it is killed",
+    )
+    parser.add_argument(
+        "--start",
+        choices=("fork", "exec"),
+        default="fork",
+        help="fork ranks from this process (default, fast) or exec fresh interpreters via resilience.launch",
+    )
     parser.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one, removed at the end)")
-    parser.add_argument("--kill-window", default="0,1", metavar="A,B",
-                        help="kill at a uniform fraction in [A, B] of the reference run's duration (default 0,1)")
-    parser.add_argument("--tear", action="store_true",
-                        help="self-test of the checker: after each kill, truncate a file of LATEST's checkpoint (must count as torn)")
+    parser.add_argument(
+        "--kill-window", default="0,1", metavar="A,B", help="kill at a uniform fraction in [A, B] of the reference run's duration (default 0,1)"
+    )
+    parser.add_argument(
+        "--tear", action="store_true", help="self-test of the checker: after each kill, truncate a file of LATEST's checkpoint (must count as torn)"
+    )
     parser.add_argument("--worker", nargs=5, metavar=("CKPT", "MODE", "EVENTS", "SLEEP", "EVERY"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is None:
@@ -556,9 +577,11 @@ def main(argv: list[str] | None = None) -> int:
                 verdict = "not exact"
                 failures.append(f"trial {trial}: resumed run differs from the reference: {diff}")
         counts[f"resumed {verdict}"] += 1
-        say(f"trial {trial + 1}/{args.trials} {mode} kill {'both' if len(target) == 2 else f'rank {target[0]}'} "
+        say(
+            f"trial {trial + 1}/{args.trials} {mode} kill {'both' if len(target) == 2 else f'rank {target[0]}'} "
             f"at {fraction:.2f}: {where}{f' ({phase})' if phase else ''}; LATEST {latest or '-'}"
-            f"{' TORN' if problems else ''}; resume {verdict}")
+            f"{' TORN' if problems else ''}; resume {verdict}"
+        )
         if not problems and verdict == "exact" and not args.dir:
             shutil.rmtree(base, ignore_errors=True)
 

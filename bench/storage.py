@@ -43,7 +43,7 @@ def write_raw(path: Path, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
             view = byte_view(t)
             while view:
-                view = view[os.write(fd, view[:_CHUNK]):]
+                view = view[os.write(fd, view[:_CHUNK]) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -64,8 +64,12 @@ def read_raw(path: Path, tensors: list[torch.Tensor]) -> None:
 # -- the methods -------------------------------------------------------------------------------
 def ours_checkpointer(root: Path, state: TrainingState | None = None, step: int = 0, **config: Any) -> Checkpointer:
     """Our Checkpointer of ``state`` at global step ``step`` on one local rank, writing under ``root``."""
-    return Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **config), DistContext(),
-                        state=state or TrainingState(model=torch.nn.Identity()), scheduler=StepScheduler(num_epochs=1, global_step=step))
+    return Checkpointer(
+        CheckpointConfig(checkpoint_dir=str(root), **config),
+        DistContext(),
+        state=state or TrainingState(model=torch.nn.Identity()),
+        scheduler=StepScheduler(num_epochs=1, global_step=step),
+    )
 
 
 def save_ours(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:

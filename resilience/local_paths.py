@@ -44,9 +44,7 @@ def local_path(text: str, key: str) -> str:
         parts = urlsplit(text)
         if parts.netloc in ("", "localhost") and parts.path.startswith("/") and not parts.query and not parts.fragment:
             return unquote(parts.path)
-        raise NotALocalPath(
-            f"{key}={text!r}: a file:// URL must name an absolute local path (file:///path); accepted: {ACCEPTED}"
-        )
+        raise NotALocalPath(f"{key}={text!r}: a file:// URL must name an absolute local path (file:///path); accepted: {ACCEPTED}")
     raise NotALocalPath(
         f"{key}={text!r}: {scheme}:// URLs are not supported (this path is used with local file operations, "
         f"so it would become a local folder named {text.split('/', 1)[0]!r}); accepted: {ACCEPTED}, "

@@ -64,10 +64,16 @@ class ResilientLoop:
         self.timer = RunTimer()
         """Moving averages of step and save time (seconds), recorded in each checkpoint."""
         self.checkpointer = Checkpointer(
-            config.checkpoint, self.ctx, state=state, scheduler=self.scheduler, timer=self.timer,
-            global_batch_size=global_batch_size(config.step_scheduler.global_batch_size, state.dataloader, self.ctx,
-                                                config.step_scheduler.gradient_accumulation_steps),
-            run_config=config.to_dict(), run_id=run_id_from_env(),
+            config.checkpoint,
+            self.ctx,
+            state=state,
+            scheduler=self.scheduler,
+            timer=self.timer,
+            global_batch_size=global_batch_size(
+                config.step_scheduler.global_batch_size, state.dataloader, self.ctx, config.step_scheduler.gradient_accumulation_steps
+            ),
+            run_config=config.to_dict(),
+            run_id=run_id_from_env(),
         )
         self.exit_code: ExitCode | None = None
         """Set when the loop ends: DONE, PREEMPTED (a checkpoint of the stop step is published), FAILED,
@@ -256,8 +262,9 @@ class ResilientLoop:
         ckpt_cfg = self.config.checkpoint
         if not (ckpt_cfg.enabled and ckpt_cfg.enable_save):
             return False
-        return progress_guard.must_end(self.ctx, self.checkpointer.root, self.resumed_from, ckpt_cfg.max_restarts_without_progress,
-                                       ckpt_cfg.max_preemptions_without_progress)
+        return progress_guard.must_end(
+            self.ctx, self.checkpointer.root, self.resumed_from, ckpt_cfg.max_restarts_without_progress, ckpt_cfg.max_preemptions_without_progress
+        )
 
     def _deadline_flag(self) -> int:
         """STOP_DEADLINE on rank 0 once the time left no longer covers a stop (see resilience.stop.deadline)."""
@@ -296,8 +303,7 @@ class ResilientLoop:
             saved = f"nothing new to save ({self.resumed_from.name} holds this state)"
         else:
             saved = "no checkpoint yet (nothing trained)"
-        log.warning("rank %d: stop %s at step %d (agreement every %d step(s)); %s, exiting for requeue",
-                    self.ctx.rank, when, step, self._cadence(), saved)
+        log.warning("rank %d: stop %s at step %d (agreement every %d step(s)); %s, exiting for requeue", self.ctx.rank, when, step, self._cadence(), saved)
 
     def should_stop(self) -> bool:
         """A collective check for long phases inside a step's body (evaluation): True when a stop
@@ -324,8 +330,13 @@ class ResilientLoop:
             log.info("rank %d: loaded the weights of %s (no_load_optim); training starts at step 0", self.ctx.rank, directory)
             return None
         restored.step_scheduler, restored.data_position = continue_with_batch_size(
-            restored.step_scheduler, restored.data_position, restored.meta, self.checkpointer.global_batch_size,
-            loader=self.state.dataloader, checkpoint=directory.name, configured=self.config.step_scheduler.global_batch_size is not None,
+            restored.step_scheduler,
+            restored.data_position,
+            restored.meta,
+            self.checkpointer.global_batch_size,
+            loader=self.state.dataloader,
+            checkpoint=directory.name,
+            configured=self.config.step_scheduler.global_batch_size is not None,
             accumulation=self.config.step_scheduler.gradient_accumulation_steps,
         )
         self.scheduler.load_state_dict(restored.step_scheduler)

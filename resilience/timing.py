@@ -63,8 +63,7 @@ def seconds_needed(step_s: float, save_s: float, *, agreement_every_steps: int =
     return ((2 * agreement_every_steps - 1) * step_s + save_s) * safety
 
 
-def must_stop(now: float, end_time: float | None, step_s: float | None, save_s: float | None, *,
-              agreement_every_steps: int = 1, safety: float = 1.5) -> bool:
+def must_stop(now: float, end_time: float | None, step_s: float | None, save_s: float | None, *, agreement_every_steps: int = 1, safety: float = 1.5) -> bool:
     """True when the time left (``end_time - now``, seconds) no longer covers a stop.
 
     False while the end time is unknown or no step has been timed yet. A save never timed yet
@@ -76,8 +75,7 @@ def must_stop(now: float, end_time: float | None, step_s: float | None, save_s: 
     return end_time - now <= needed
 
 
-def lead_time_warning(lead_s: float, step_s: float | None, save_s: float | None, *,
-                      agreement_every_steps: int = 1, safety: float = 1.5) -> str | None:
+def lead_time_warning(lead_s: float, step_s: float | None, save_s: float | None, *, agreement_every_steps: int = 1, safety: float = 1.5) -> str | None:
     """A warning when a signal ``lead_s`` seconds before the end (Slurm ``--signal=...@N``) is too
     late for a stop: shorter than :func:`seconds_needed`. ``None`` when it is long enough or
     nothing has been timed yet."""

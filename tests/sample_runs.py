@@ -12,8 +12,7 @@ from resilience.launch import launch
 HELPER = Path(__file__).resolve().parent / "helpers" / "sample_train.py"
 
 
-def run(ckpt: Path, record: Path, nproc: int = 1, *, loader: str = "plain", batch: int = 4,
-        overrides: list[str] = (), timeout: float = 120.0) -> list[int]:
+def run(ckpt: Path, record: Path, nproc: int = 1, *, loader: str = "plain", batch: int = 4, overrides: list[str] = (), timeout: float = 120.0) -> list[int]:
     """Run the helper on ``nproc`` ranks until every rank exits; returns their exit codes."""
     cmd = [sys.executable, str(HELPER), str(ckpt), str(record), *overrides]
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOADER": loader, "BATCH": str(batch)}

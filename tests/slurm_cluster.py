@@ -55,14 +55,10 @@ class SlurmCommandError(subprocess.CalledProcessError):
     """A Slurm client command exited non-zero; str() includes its stdout and stderr."""
 
     def __str__(self) -> str:
-        return (
-            f"{shlex.join(map(str, self.cmd))} exited {self.returncode}\n"
-            f"stdout: {self.stdout!r}\nstderr: {self.stderr!r}"
-        )
+        return f"{shlex.join(map(str, self.cmd))} exited {self.returncode}\nstdout: {self.stdout!r}\nstderr: {self.stderr!r}"
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, detail: Callable[[], str] = lambda: "",
-             poll: float = 0.1) -> object:
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, detail: Callable[[], str] = lambda: "", poll: float = 0.1) -> object:
     """Poll ``predicate`` every ``poll`` s until it returns something true, and return that.
 
     Raises TimeoutError naming ``what`` (and ``detail()``, e.g. a log) after ``timeout`` seconds.
@@ -152,9 +148,7 @@ class SlurmCluster:
     def __repr__(self) -> str:
         return f"SlurmCluster(dir={str(self.dir)!r}, nodes={self.nodes!r})"
 
-    def run(
-        self, args: Iterable[str], *, check: bool = True, timeout: float = 60, **kw
-    ) -> subprocess.CompletedProcess:
+    def run(self, args: Iterable[str], *, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
         """subprocess.run a Slurm client command (``["squeue", "-h"]``) with this cluster's env.
 
         Output is captured as text unless overridden in kw. Raises SlurmCommandError when
@@ -183,9 +177,7 @@ class SlurmCluster:
         script_args follow the script. kw goes to run() (e.g. cwd). Raises SlurmCommandError
         when sbatch refuses the job.
         """
-        proc = self.run(
-            ["sbatch", "--parsable", *sbatch_args, str(script_path), *script_args], **kw
-        )
+        proc = self.run(["sbatch", "--parsable", *sbatch_args, str(script_path), *script_args], **kw)
         # --parsable prints "jobid" or "jobid;cluster".
         job_id = proc.stdout.strip().split(";", 1)[0]
         if not job_id:
@@ -227,10 +219,7 @@ class SlurmCluster:
             if state in TERMINAL_STATES:
                 raise RuntimeError(f"job {job_id} ended {state}, wanted {sorted(wanted)}: {info}")
             if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"job {job_id} not in {sorted(wanted)} after {timeout} s "
-                    f"(state {state or 'unknown'}): {info}"
-                )
+                raise TimeoutError(f"job {job_id} not in {sorted(wanted)} after {timeout} s (state {state or 'unknown'}): {info}")
             time.sleep(poll_s)
 
     def daemon_pids(self) -> dict[str, int]:
@@ -264,9 +253,7 @@ class SlurmCluster:
             raise RuntimeError(f"slurm/down.sh {self.dir} exited {proc.returncode}: {proc.stderr}")
 
 
-def start_cluster(
-    nodes: int = 1, dir: str | os.PathLike | None = None, timeout: float = 300
-) -> SlurmCluster:
+def start_cluster(nodes: int = 1, dir: str | os.PathLike | None = None, timeout: float = 300) -> SlurmCluster:
     """Start a local cluster with slurm/up.sh and return it; the caller must stop() it.
 
     nodes: 1 (node ``localhost``) or 2 (``n1``, ``n2``). dir: state directory (default: fresh

@@ -17,8 +17,15 @@ TOTAL_STEPS = 20  # the steps of a whole worker_train.py run
 
 def worker_env(loader: str, persistent: bool, **extra: str) -> dict:
     """The environment of a run: ``loader`` (worker_train.py's LOADER), 2 workers, persistent or not."""
-    return {**os.environ, "LOADER": loader, "NUM_WORKERS": "2", "PERSISTENT": "1" if persistent else "0",
-            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+    return {
+        **os.environ,
+        "LOADER": loader,
+        "NUM_WORKERS": "2",
+        "PERSISTENT": "1" if persistent else "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
 
 
 def launch_run(ckpt: Path, events: Path, env: dict, pid_file: Path) -> subprocess.Popen:

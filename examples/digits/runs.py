@@ -42,8 +42,16 @@ def _rows(ckpt_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run(ckpt_dir: Path, nproc: int, *, overrides: list[str] = (), signal_rank: int | None = None,
-        signal_at_step: int | None = None, sig: int = signal.SIGUSR1, timeout: float = 180.0) -> RunResult:
+def run(
+    ckpt_dir: Path,
+    nproc: int,
+    *,
+    overrides: list[str] = (),
+    signal_rank: int | None = None,
+    signal_at_step: int | None = None,
+    sig: int = signal.SIGUSR1,
+    timeout: float = 180.0,
+) -> RunResult:
     """Run the example with ``nproc`` ranks; optionally send ``sig`` to one rank only, once rank 0
     has logged ``signal_at_step`` steps. Returns each rank's exit code."""
     cmd = [sys.executable, str(TRAIN), "--config", str(CONFIG), f"checkpoint.checkpoint_dir={ckpt_dir}", *overrides]

@@ -60,7 +60,8 @@ def digits_argv(checkpoint_dir: str | os.PathLike, overrides: Sequence[str] = ()
     absolute: the job's working directory may differ), submitit's preemption signal as
     ``step_scheduler.preemption_signal``, then ``overrides`` (dotted ``key=value``, applied last)."""
     return [
-        "--config", str(CONFIG),
+        "--config",
+        str(CONFIG),
         f"checkpoint.checkpoint_dir={Path(checkpoint_dir).resolve()}",
         f"step_scheduler.preemption_signal={submitit_preemption_signal()}",
         *overrides,
@@ -136,9 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. step_scheduler.num_epochs=40")
     args = parser.parse_args(argv)
     job = submit(
-        args.folder, args.checkpoint_dir, timeout_min=args.timeout_min, signal_delay_s=args.signal_delay_s,
-        tasks_per_node=args.tasks_per_node, nodes=args.nodes, max_num_timeout=args.max_num_timeout,
-        partition=args.partition, cluster=args.cluster, overrides=args.overrides,
+        args.folder,
+        args.checkpoint_dir,
+        timeout_min=args.timeout_min,
+        signal_delay_s=args.signal_delay_s,
+        tasks_per_node=args.tasks_per_node,
+        nodes=args.nodes,
+        max_num_timeout=args.max_num_timeout,
+        partition=args.partition,
+        cluster=args.cluster,
+        overrides=args.overrides,
     )
     print(f"submitted job {job.job_id}; logs in {job.paths.folder}", flush=True)
     if args.no_wait:

@@ -44,8 +44,12 @@ def build_data(seed: int, test_fraction: float) -> tuple[TensorDataset, TensorDa
 
 def build_model(hidden: int, dropout: float) -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Dropout(dropout),
-        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Dropout(dropout),
+        torch.nn.Linear(64, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(dropout),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(dropout),
         torch.nn.Linear(hidden, 10),
     )
 
@@ -56,6 +60,7 @@ def warmup_cosine(warmup: int, total: int):
             return (step + 1) / warmup
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
     return factor
 
 

@@ -69,8 +69,7 @@ class AsyncWriter:
             return None
         if not self._done.wait(timeout_s):
             raise AsyncSaveTimeout(
-                f"the asynchronous save {self.description} did not finish within {timeout_s:g} s "
-                "(a stuck filesystem, or a rank that died during the save)"
+                f"the asynchronous save {self.description} did not finish within {timeout_s:g} s (a stuck filesystem, or a rank that died during the save)"
             )
         # Join, not just the event: a daemon thread still unwinding when the interpreter exits is
         # killed mid-way, and torch's thread-local C++ state then aborts the process (SIGABRT).

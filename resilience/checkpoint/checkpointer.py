@@ -64,9 +64,18 @@ class Checkpointer:
     raise its failure, on every rank alike.
     """
 
-    def __init__(self, config: CheckpointConfig, ctx: DistContext, *, state: TrainingState, scheduler: StepScheduler,
-                 timer: RunTimer | None = None, global_batch_size: int | None = None, run_config: dict[str, Any] | None = None,
-                 run_id: str | None = None):
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        ctx: DistContext,
+        *,
+        state: TrainingState,
+        scheduler: StepScheduler,
+        timer: RunTimer | None = None,
+        global_batch_size: int | None = None,
+        run_config: dict[str, Any] | None = None,
+        run_id: str | None = None,
+    ):
         self.config = config
         self.ctx = ctx
         self.state = state
@@ -264,10 +273,18 @@ class Checkpointer:
         """The pieces of this checkpoint (:func:`checkpoint_parts`); with ``snapshot`` its tensors
         are copied into the staging buffers, for a save written in the background."""
         return checkpoint_parts(
-            self.state, self.scheduler, reason=reason, config=self.config, ctx=self.ctx,
+            self.state,
+            self.scheduler,
+            reason=reason,
+            config=self.config,
+            ctx=self.ctx,
             group=self.ctx.group if self._async is None else self._async_ctx.group,
-            root=self.root, buffers=self._buffers if snapshot else None, run_config=self.run_config,
-            global_batch_size=self.global_batch_size, training_rows=self.training_rows, validation=self.validation,
+            root=self.root,
+            buffers=self._buffers if snapshot else None,
+            run_config=self.run_config,
+            global_batch_size=self.global_batch_size,
+            training_rows=self.training_rows,
+            validation=self.validation,
         )
 
     # -- resume -------------------------------------------------------------------------------

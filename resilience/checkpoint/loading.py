@@ -76,8 +76,7 @@ def load_state(directory: Path, state: TrainingState, ctx: DistContext, config: 
     rank = ctx.rank
     step_state = json.loads((directory / STEP_SCHEDULER).read_text())
     if resized:  # elastic: same global batches consumed; the new ranks replay the epoch's order
-        log.warning("rank %d: resuming %s saved with world size %d under world size %d (elastic)",
-                    rank, directory.name, saved_world, ctx.world_size)
+        log.warning("rank %d: resuming %s saved with world size %d under world size %d (elastic)", rank, directory.name, saved_world, ctx.world_size)
         data_position = {"batches_in_epoch": step_state["batches_in_epoch"], "loader": None}
         rng_rank = rank % saved_world
     else:

@@ -90,8 +90,9 @@ def epoch_of(scheduler: StepScheduler) -> int:
     return scheduler.epoch - 1 if scheduler.batches_in_epoch == 0 and scheduler.epoch > 0 else scheduler.epoch
 
 
-def _model_part(state: TrainingState, reason: str, *, config: CheckpointConfig, ctx: DistContext, group: Any,
-                root: Path, buffers: StagingBuffers | None) -> Part:
+def _model_part(
+    state: TrainingState, reason: str, *, config: CheckpointConfig, ctx: DistContext, group: Any, root: Path, buffers: StagingBuffers | None
+) -> Part:
     fmt, when = config.model_save_format, config.save_consolidated
     consolidated = when == "every" or (when == "final" and reason == "final")
     if hf_export.is_peft_model(state.model):
@@ -108,9 +109,19 @@ def _model_part(state: TrainingState, reason: str, *, config: CheckpointConfig, 
     if buffers is not None:
         tensors = buffers.copy_in(tensors, prefix="model.")
     return Part(
-        "model", model_io.save_model, (state.model,),
-        {"rank": ctx.rank, "world_size": ctx.world_size, "group": group, "save_format": fmt, "consolidated": consolidated,
-         "tokenizer": state.tokenizer, "state_dict": tensors, "aliases": aliases},
+        "model",
+        model_io.save_model,
+        (state.model,),
+        {
+            "rank": ctx.rank,
+            "world_size": ctx.world_size,
+            "group": group,
+            "save_format": fmt,
+            "consolidated": consolidated,
+            "tokenizer": state.tokenizer,
+            "state_dict": tensors,
+            "aliases": aliases,
+        },
         collective=fmt == "torch_save",
     )
 

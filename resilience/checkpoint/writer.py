@@ -176,7 +176,8 @@ def _write_parts(staging: Path, parts: list[Part]) -> tuple[list[FileRecord], st
     local: dict[str, Any] = {}
     worker = threading.Thread(
         target=lambda: local.update(result=_run_parts(staging, [p for p in parts if not p.collective], stop_at_error=True)),
-        name="resilience-save-parts", daemon=True,
+        name="resilience-save-parts",
+        daemon=True,
     )
     worker.start()
     try:
@@ -230,8 +231,13 @@ def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = 
         else:
             what = describe(final)
             abandoned = set_aside(root, final)
-            log.warning("%s already held a checkpoint of another timeline (%s), not the one this run continues: "
-                        "moved it aside to %s (kept; delete it when it is not needed)", final.name, what, abandoned.name)
+            log.warning(
+                "%s already held a checkpoint of another timeline (%s), not the one this run continues: "
+                "moved it aside to %s (kept; delete it when it is not needed)",
+                final.name,
+                what,
+                abandoned.name,
+            )
             best_moved = _follow_with_lowest_val(root, final, abandoned)
     try:
         os.rename(staging, final)
@@ -270,7 +276,7 @@ def remove_leftovers(root: Path) -> list[Path]:
     if root.is_dir():
         for child in root.iterdir():
             if child.name.startswith(TRASH_PREFIX) and child.is_dir():
-                original = root / child.name[len(TRASH_PREFIX):]
+                original = root / child.name[len(TRASH_PREFIX) :]
                 if not original.exists() and not original.is_symlink():
                     os.rename(child, original)
                     fsync_dir(root)

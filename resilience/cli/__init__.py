@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub = getattr(args, "intermixed_parser", None)
         if sub is not None:  # options and positionals in any order; argv[0] is the command
             command = args.command
-            args = sub.parse_intermixed_args(argv[argv.index(command) + 1:])
+            args = sub.parse_intermixed_args(argv[argv.index(command) + 1 :])
             args.command = command
         else:
             args = parser.parse_args(argv)

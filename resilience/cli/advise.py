@@ -52,8 +52,15 @@ def _recorded_timings(root: Path) -> list[dict[str, Any]]:
         except CheckpointInvalid:
             continue
         timings = meta.get("timings") if isinstance(meta.get("timings"), dict) else {}
-        rows.append({"name": directory.name, "saved_at": _number(meta.get("saved_at")), "order": order,
-                     "step_s": _number(timings.get("step_s")), "save_s": _number(timings.get("save_s"))})
+        rows.append(
+            {
+                "name": directory.name,
+                "saved_at": _number(meta.get("saved_at")),
+                "order": order,
+                "step_s": _number(timings.get("step_s")),
+                "save_s": _number(timings.get("save_s")),
+            }
+        )
     rows.sort(key=lambda r: (r["saved_at"] is None, -(r["saved_at"] or 0), r["order"]))
     return rows
 
@@ -80,8 +87,9 @@ def _run_settings(root: Path, source: str) -> dict[str, Any]:
     return settings
 
 
-def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int | str | None = None, median: bool = False,
-           agreement_interval_s: float | None = None) -> dict[str, Any]:
+def advise(
+    root: Path, *, safety: float = 1.5, agreement_every_steps: int | str | None = None, median: bool = False, agreement_interval_s: float | None = None
+) -> dict[str, Any]:
     """The recommended Slurm lead time from the timings recorded under ``root``.
 
     ``agreement_every_steps`` is the loop's cadence k (an int, or ``auto``: the steps that fit
@@ -149,31 +157,45 @@ def advise(root: Path, *, safety: float = 1.5, agreement_every_steps: int | str 
             f"{budget} s after it receives SIGTERM (its --shutdown-timeout), and Slurm sends SIGTERM to every "
             f"process of a step at its end, on scancel and after a preemption's GraceTime: add "
             f"'export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={math.ceil(needed)}' (or more) to slurm.setup, or use "
-            f"slurm.launcher: resilience or srun")
-    return {"version": JSON_VERSION, "root": str(root), "source": source, "step_s": step_s, "save_s": save_s,
-            "safety": safety, "agreement_every_steps": agreement_every_steps, "seconds_needed": needed,
-            "slurm_signal_interval_s": SLURM_SIGNAL_INTERVAL_S, "lead_s": lead_s,
-            "sbatch": f"#SBATCH --signal=B:{signal_name}@{lead_s}", "notes": notes, "warnings": warnings}
+            f"slurm.launcher: resilience or srun"
+        )
+    return {
+        "version": JSON_VERSION,
+        "root": str(root),
+        "source": source,
+        "step_s": step_s,
+        "save_s": save_s,
+        "safety": safety,
+        "agreement_every_steps": agreement_every_steps,
+        "seconds_needed": needed,
+        "slurm_signal_interval_s": SLURM_SIGNAL_INTERVAL_S,
+        "lead_s": lead_s,
+        "sbatch": f"#SBATCH --signal=B:{signal_name}@{lead_s}",
+        "notes": notes,
+        "warnings": warnings,
+    }
 
 
 def format_advice(doc: dict[str, Any]) -> str:
     """The terminal form of an :func:`advise` document, with the arithmetic."""
     k = doc["agreement_every_steps"]
     steps = 2 * k - 1
-    return "\n".join([
-        f"Timings from {doc['source']}: step {doc['step_s']:.3f} s, save {doc['save_s']:.3f} s",
-        *[f"  note: {n}" for n in doc["notes"]],
-        *[f"  warning: {w}" for w in doc.get("warnings", [])],
-        "A stop needs (steps the agreement may still run + one save) x safety:",
-        f"  ((2 x {k} - 1) x {doc['step_s']:.3f} s + {doc['save_s']:.3f} s) x {doc['safety']:g}"
-        f" = ({steps} x {doc['step_s']:.3f} + {doc['save_s']:.3f}) x {doc['safety']:g} = {doc['seconds_needed']:.3f} s",
-        f"Slurm checks signal times every {doc['slurm_signal_interval_s']} s, so the signal comes between N and "
-        f"N + {doc['slurm_signal_interval_s']} s before the end:",
-        f"  N = ceil({doc['seconds_needed']:.3f} + {doc['slurm_signal_interval_s']}) = {doc['lead_s']}",
-        "",
-        doc["sbatch"],
-        f"(in the training YAML: slurm.signal_lead_s: {doc['lead_s']})",
-    ])
+    return "\n".join(
+        [
+            f"Timings from {doc['source']}: step {doc['step_s']:.3f} s, save {doc['save_s']:.3f} s",
+            *[f"  note: {n}" for n in doc["notes"]],
+            *[f"  warning: {w}" for w in doc.get("warnings", [])],
+            "A stop needs (steps the agreement may still run + one save) x safety:",
+            f"  ((2 x {k} - 1) x {doc['step_s']:.3f} s + {doc['save_s']:.3f} s) x {doc['safety']:g}"
+            f" = ({steps} x {doc['step_s']:.3f} + {doc['save_s']:.3f}) x {doc['safety']:g} = {doc['seconds_needed']:.3f} s",
+            f"Slurm checks signal times every {doc['slurm_signal_interval_s']} s, so the signal comes between N and "
+            f"N + {doc['slurm_signal_interval_s']} s before the end:",
+            f"  N = ceil({doc['seconds_needed']:.3f} + {doc['slurm_signal_interval_s']}) = {doc['lead_s']}",
+            "",
+            doc["sbatch"],
+            f"(in the training YAML: slurm.signal_lead_s: {doc['lead_s']})",
+        ]
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -181,7 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint root (or one checkpoint directory)")
     parser.add_argument("--safety", default="1.5", help="factor on step + save time (default 1.5, as step_scheduler.deadline_safety)")
     parser.add_argument(
-        "--agreement-every-steps", default=None,
+        "--agreement-every-steps",
+        default=None,
         help="the stop agreement's cadence k in steps, or auto (step_scheduler.agreement_every_steps; default: the run's own, "
         f"from its saved {CONFIG}, else auto): a stop may run 2k - 1 more steps",
     )

@@ -27,7 +27,7 @@ class UsageError(ValueError):
 def within(message: str, directory: Path) -> str:
     """``message`` about a file of ``directory``, with the directory's own path taken out."""
     if message.startswith(f"{directory}: "):
-        message = message[len(str(directory)) + 2:]
+        message = message[len(str(directory)) + 2 :]
     return message.replace(str(directory) + os.sep, "")
 
 

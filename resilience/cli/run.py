@@ -13,7 +13,7 @@ from resilience.launch.forwarding import FORWARDED_SIGNALS, RecordedSignals, for
 from resilience.launch.rank_group import POLL_INTERVAL_S
 from resilience.launch.start import launch
 
-HELP = 'start N local ranks (torchrun-like), forward USR1/USR2/TERM/INT to them and exit with their combined code'
+HELP = "start N local ranks (torchrun-like), forward USR1/USR2/TERM/INT to them and exit with their combined code"
 
 
 def _stderr_log(message: str) -> None:
@@ -23,40 +23,44 @@ def _stderr_log(message: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``run`` command's options to ``parser`` (used by ``resilience run``)."""
     parser.add_argument(
-        "--nproc-per-node", "--nproc_per_node", "-n", type=int, required=True, metavar="N",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        "-n",
+        type=int,
+        required=True,
+        metavar="N",
         help="ranks to start on this node (torchrun's name; -n for short)",
     )
-    parser.add_argument("--nnodes", type=int, default=1, metavar="N",
-                        help="number of nodes, one launcher each (default 1)")
-    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="R",
-                        help="this node's index, 0..nnodes-1 (default 0)")
-    parser.add_argument("--master-addr", "--master_addr", default="127.0.0.1", metavar="HOST",
-                        help="rendezvous host, MASTER_ADDR (default 127.0.0.1)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes, one launcher each (default 1)")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="R", help="this node's index, 0..nnodes-1 (default 0)")
+    parser.add_argument("--master-addr", "--master_addr", default="127.0.0.1", metavar="HOST", help="rendezvous host, MASTER_ADDR (default 127.0.0.1)")
     parser.add_argument(
-        "--master-port", "--master_port", type=int, default=None, metavar="P",
-        help="rendezvous port, MASTER_PORT (default: derived from SLURM_JOB_ID and "
-        "SLURM_RESTART_COUNT inside Slurm, else a free local port)",
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="rendezvous port, MASTER_PORT (default: derived from SLURM_JOB_ID and SLURM_RESTART_COUNT inside Slurm, else a free local port)",
     )
     parser.add_argument(
-        "--failure-grace", type=float, default=30.0, metavar="S",
-        help="seconds the other ranks may run after one exits non-zero, before SIGTERM "
-        "(default 30)",
+        "--failure-grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds the other ranks may run after one exits non-zero, before SIGTERM (default 30)",
     )
-    parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
-                        help="seconds between SIGTERM and SIGKILL (default 5)")
+    parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S", help="seconds between SIGTERM and SIGKILL (default 5)")
     parser.add_argument(
-        "--pid-file", default=None, metavar="PATH",
+        "--pid-file",
+        default=None,
+        metavar="PATH",
         help=f"write 'launcher <pid>' and 'rank <r> <pid>' lines here (default: ${PID_FILE_ENV})",
     )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("-m", "--module", action="store_true",
-                      help="run the target as a Python module, like python -m")
-    mode.add_argument("--no-python", action="store_true",
-                      help="run the target as an executable, not with this Python")
-    parser.add_argument("script", metavar="script.py|module|program",
-                        help="what each rank runs")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
-                        help="arguments passed to every rank")
+    mode.add_argument("-m", "--module", action="store_true", help="run the target as a Python module, like python -m")
+    mode.add_argument("--no-python", action="store_true", help="run the target as an executable, not with this Python")
+    parser.add_argument("script", metavar="script.py|module|program", help="what each rank runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments passed to every rank")
     return parser
 
 

@@ -156,8 +156,11 @@ def _pointer_names(root: Path) -> list[str]:
                     text = fh.read(4097).decode().strip()
             except (OSError, UnicodeDecodeError):
                 continue
-            if text and len(text) <= 4096 and not any(c.isspace() for c in text) and (
-                name.removesuffix(POINTER_SUFFIX) in _POINTER_ORDER or parse_checkpoint_name(text) or (root / text).is_dir()
+            if (
+                text
+                and len(text) <= 4096
+                and not any(c.isspace() for c in text)
+                and (name.removesuffix(POINTER_SUFFIX) in _POINTER_ORDER or parse_checkpoint_name(text) or (root / text).is_dir())
             ):
                 names.add(name.removesuffix(POINTER_SUFFIX))
     order = {name: i for i, name in enumerate(_POINTER_ORDER)}
@@ -206,7 +209,7 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
     entries = []
     for kind, path in found:
         prefix = {"checkpoint": "", "staging": STAGING_PREFIX, "trash": TRASH_PREFIX, "abandoned": ""}[kind]
-        parsed = parse_checkpoint_name(path.name[len(prefix):].split(ABANDONED_INFIX)[0])
+        parsed = parse_checkpoint_name(path.name[len(prefix) :].split(ABANDONED_INFIX)[0])
         entry: dict[str, Any] = {
             "name": path.name,
             "kind": kind,
@@ -313,8 +316,15 @@ def inspect_root(root: Path, *, deep: bool = False) -> dict[str, Any]:
     resume = _resume_choice(root, entries, pointers, deep)
     for entry in entries:
         entry.pop("checked_state")
-    return {"version": JSON_VERSION, "root": str(root), "deep": deep, "checkpoints": entries, "pointers": pointers, "resume": resume,
-            "restart_guard": _restart_guard(root, resume["checkpoint"])}
+    return {
+        "version": JSON_VERSION,
+        "root": str(root),
+        "deep": deep,
+        "checkpoints": entries,
+        "pointers": pointers,
+        "resume": resume,
+        "restart_guard": _restart_guard(root, resume["checkpoint"]),
+    }
 
 
 def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:
@@ -333,11 +343,18 @@ def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:
     preemption_limit = preemption_limit if isinstance(preemption_limit, int) else None
     failed, preempted = before_next_start(doc, pick)
     why = verdict(failed, preempted, limit, preemption_limit)
-    return {"file": str(root / STARTS_FILE), "resume_point": doc["resume_point"],
-            "starts": doc["failed"] + doc["preempted"] + int(doc["running"]),
-            "failed": doc["failed"], "preempted": doc["preempted"], "running": doc["running"],
-            "limit": limit, "preemption_limit": preemption_limit,
-            "next_start_exits_no_progress": why is not None, "why": why}
+    return {
+        "file": str(root / STARTS_FILE),
+        "resume_point": doc["resume_point"],
+        "starts": doc["failed"] + doc["preempted"] + int(doc["running"]),
+        "failed": doc["failed"],
+        "preempted": doc["preempted"],
+        "running": doc["running"],
+        "limit": limit,
+        "preemption_limit": preemption_limit,
+        "next_start_exits_no_progress": why is not None,
+        "why": why,
+    }
 
 
 def format_status(doc: dict[str, Any]) -> str:
@@ -346,9 +363,18 @@ def format_status(doc: dict[str, Any]) -> str:
     lines = [f"Checkpoints in {doc['root']} ({checks})", ""]
     if doc["checkpoints"]:
         rows = [
-            [e["name"], "-" if e["global_step"] is None else str(e["global_step"]), "-" if e["epoch"] is None else str(e["epoch"]),
-             e["saved_at"] or "-", human_size(e["size_bytes"]), e["state"], "-" if e["world_size"] is None else str(e["world_size"]),
-             _format_model(e), ",".join(e["pointers"]) or "-", _format_metric(e["val_metric"])]
+            [
+                e["name"],
+                "-" if e["global_step"] is None else str(e["global_step"]),
+                "-" if e["epoch"] is None else str(e["epoch"]),
+                e["saved_at"] or "-",
+                human_size(e["size_bytes"]),
+                e["state"],
+                "-" if e["world_size"] is None else str(e["world_size"]),
+                _format_model(e),
+                ",".join(e["pointers"]) or "-",
+                _format_metric(e["val_metric"]),
+            ]
             for e in doc["checkpoints"]
         ]
         lines += _table(["NAME", "STEP", "EPOCH", "SAVED (UTC)", "SIZE", "STATE", "RANKS", "MODEL", "POINTERS", "VAL METRIC"], rows, right={1, 2, 4, 6})
@@ -373,9 +399,11 @@ def format_status(doc: dict[str, Any]) -> str:
     guard = doc.get("restart_guard")
     if guard is not None:
         last = "; the last has not reported how it ended (still running, or crashed or killed): counted as failed" if guard["running"] else ""
-        lines.append(f"  starts in a row from {guard['resume_point'] or 'a fresh start'}: {guard['starts']} "
-                     f"(failed: {guard['failed']}, limit {guard['limit']}; preempted cleanly before saving anything "
-                     f"new: {guard['preempted']}, limit {guard['preemption_limit']}{last})")
+        lines.append(
+            f"  starts in a row from {guard['resume_point'] or 'a fresh start'}: {guard['starts']} "
+            f"(failed: {guard['failed']}, limit {guard['limit']}; preempted cleanly before saving anything "
+            f"new: {guard['preempted']}, limit {guard['preemption_limit']}{last})"
+        )
         if guard["next_start_exits_no_progress"]:
             lines.append(f"  the next start exits 76 (NO_PROGRESS) at once: {guard['why']}; fix the cause, then delete {guard['file']}")
     return "\n".join(lines)

@@ -21,7 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``template`` command's arguments to ``parser`` (``resilience template slurm ...``)."""
     parser.add_argument("kind", choices=["slurm"], help="what to render: a Slurm batch script")
     parser.add_argument(
-        "config", metavar="CONFIG.yaml", nargs="?", default=None,
+        "config",
+        metavar="CONFIG.yaml",
+        nargs="?",
+        default=None,
         help="the training's YAML, with a slurm: section; without it the defaults are rendered (templates/slurm.sub)",
     )
     parser.add_argument(
@@ -51,10 +54,12 @@ def run(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, slurm=slurm)
         text = render_slurm(config, config_path=args.config)
         if args.config is not None and not _has_slurm_section(args.config) and not any(o.lstrip("-").startswith("slurm.") for o in args.overrides):
-            print(f"resilience template: {args.config} has no slurm: section; rendered with the defaults "
-                  f"(slurm.script: {config.slurm.script}, slurm.script_args: {config.slurm.script_args}, "
-                  f"slurm.nproc_per_node: {config.slurm.nproc_per_node}). Set them, e.g. script_args: [--config, {args.config}]",
-                  file=sys.stderr)
+            print(
+                f"resilience template: {args.config} has no slurm: section; rendered with the defaults "
+                f"(slurm.script: {config.slurm.script}, slurm.script_args: {config.slurm.script_args}, "
+                f"slurm.nproc_per_node: {config.slurm.nproc_per_node}). Set them, e.g. script_args: [--config, {args.config}]",
+                file=sys.stderr,
+            )
     except ConfigError as error:
         print(f"resilience template: {error}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)

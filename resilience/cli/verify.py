@@ -37,10 +37,7 @@ def _targets(path: Path) -> tuple[list[Path], list[str]]:
         return [path], []
     found = list_checkpoints(path)
     if not found:
-        raise UsageError(
-            f"PATH {str(path)!r}: neither a checkpoint directory (no {MANIFEST}) nor a checkpoint root "
-            "(no epoch_<E>_step_<S> directories in it)"
-        )
+        raise UsageError(f"PATH {str(path)!r}: neither a checkpoint directory (no {MANIFEST}) nor a checkpoint root (no epoch_<E>_step_<S> directories in it)")
     leftovers = sorted(c.name for c in path.iterdir() if c.is_dir() and c.name.startswith((STAGING_PREFIX, TRASH_PREFIX)))
     return found, leftovers
 
@@ -99,9 +96,15 @@ def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: s
     ``{"name", "ok", "files_checked", "bytes_checked", "failures": [{"file", "problem"}],
     "marked_bad", "bundle"}`` (``bundle``: None, ``verified``, ``unverified`` or ``failed``).
     """
-    result: dict[str, Any] = {"name": directory.name, "ok": True, "files_checked": 0, "bytes_checked": 0, "failures": [],
-                              "marked_bad": first_line(directory / BAD_MARKER) if (directory / BAD_MARKER).exists() else None,
-                              "bundle": None}
+    result: dict[str, Any] = {
+        "name": directory.name,
+        "ok": True,
+        "files_checked": 0,
+        "bytes_checked": 0,
+        "failures": [],
+        "marked_bad": first_line(directory / BAD_MARKER) if (directory / BAD_MARKER).exists() else None,
+        "bundle": None,
+    }
     if manifest is None:
         result["failures"].append({"file": MANIFEST, "problem": error or "unreadable"})
     else:
@@ -161,8 +164,10 @@ def format_verify(doc: dict[str, Any]) -> str:
         if r.get("bundle") == "verified":
             lines.append(f"  {MODEL_CONSOLIDATED}/: verified against its {BUNDLE_MANIFEST} (written after the checkpoint)")
         elif r.get("bundle") == "unverified":
-            lines.append(f"  {MODEL_CONSOLIDATED}/: unverified (written after the checkpoint, with no {BUNDLE_MANIFEST}; "
-                         f"remove it and run {MODEL_CONSOLIDATE_SH} again to get one)")
+            lines.append(
+                f"  {MODEL_CONSOLIDATED}/: unverified (written after the checkpoint, with no {BUNDLE_MANIFEST}; "
+                f"remove it and run {MODEL_CONSOLIDATE_SH} again to get one)"
+            )
     for name in doc["skipped"]:
         lines.append(f"{name}: skipped (not published)")
     failed = sum(not r["ok"] for r in doc["checkpoints"])

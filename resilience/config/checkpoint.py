@@ -24,7 +24,7 @@ def _check_retention_and_mindspore_keys(cfg: CheckpointConfig) -> None:
     if cfg.prefix is not None and not isinstance(cfg.prefix, str):
         raise ConfigError(f"checkpoint.prefix: expected a string or null, got {cfg.prefix!r}")
     if cfg.load_path is not None and not isinstance(cfg.load_path, (str, os.PathLike)):
-        raise ConfigError(f"checkpoint.load_path: expected a path, \"\" or null, got {cfg.load_path!r}")
+        raise ConfigError(f'checkpoint.load_path: expected a path, "" or null, got {cfg.load_path!r}')
     cfg.load_path = str(cfg.load_path) if cfg.load_path is not None and str(cfg.load_path).strip() else None
     if cfg.max_recent_checkpoints is not None and cfg.save_max is not None:
         raise ConfigError(
@@ -133,7 +133,5 @@ class CheckpointConfig:
         if self.restore_from is not None and not isinstance(self.restore_from, (str, os.PathLike)):
             raise ConfigError(f"checkpoint.restore_from: expected a path or null, got {self.restore_from!r}")
         if self.model_save_format not in ("safetensors", "torch_save"):
-            raise ConfigError(
-                f"checkpoint.model_save_format: expected 'safetensors' or 'torch_save', got {self.model_save_format!r}"
-            )
+            raise ConfigError(f"checkpoint.model_save_format: expected 'safetensors' or 'torch_save', got {self.model_save_format!r}")
         self.save_consolidated = _save_consolidated(self.save_consolidated, self.model_save_format)

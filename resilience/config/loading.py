@@ -121,7 +121,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue
             if earlier is not None:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in one mapping (line {earlier + 1} and line "
-                    f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+                    None,
+                    None,
+                    f"key {key!r} appears twice in one mapping (line {earlier + 1} and line {key_node.start_mark.line + 1}); keep one",
+                    key_node.start_mark,
+                )
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)

@@ -59,9 +59,7 @@ class RecordedSignals:
         self._reader.setblocking(False)
         self._writer.setblocking(False)
         try:
-            self._previous_wakeup_fd = signal.set_wakeup_fd(
-                self._writer.fileno(), warn_on_full_buffer=False
-            )
+            self._previous_wakeup_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
             for signum in self._signals:
                 self._previous[signum] = signal.signal(signum, self._record)
         except BaseException:
@@ -130,9 +128,11 @@ def forward(group: RankGroup, signum: int, log: Log) -> None:
     if signum in STOP_SIGNALS:
         sent, held = group.request_stop(signum)
         if held:
-            log(f"{name}: ranks {[group.ranks[local] for local in held]} are not ready yet; "
+            log(
+                f"{name}: ranks {[group.ranks[local] for local in held]} are not ready yet; "
                 "recorded a pending stop and holding the signal for them (a signal sent to the whole "
-                "process group reaches them directly and ends them)")
+                "process group reaches them directly and ends them)"
+            )
     else:
         sent = group.send_signal(signum)
     if sent:

@@ -31,9 +31,7 @@ def slurm_master_port(job_id: str | int, restart_count: str | int | None = None)
     non-negative integer.
     """
     job = _non_negative_int(_JOB_ID, job_id)
-    restart = 0 if restart_count in (None, "") else _non_negative_int(
-        _RESTART_COUNT, restart_count
-    )
+    restart = 0 if restart_count in (None, "") else _non_negative_int(_RESTART_COUNT, restart_count)
     blocks = PORT_SPAN // _PORTS_PER_JOB
     return PORT_BASE + (job % blocks) * _PORTS_PER_JOB + restart % _PORTS_PER_JOB
 
@@ -54,9 +52,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def resolve_master_port(
-    master_port: int | None, env: Mapping[str, str], nnodes: int = 1
-) -> int:
+def resolve_master_port(master_port: int | None, env: Mapping[str, str], nnodes: int = 1) -> int:
     """Pick ``MASTER_PORT``: the given one, else Slurm-derived, else a free local port.
 
     - ``master_port`` given: used as is (``1..65535``, else ``ValueError``).
@@ -66,16 +62,11 @@ def resolve_master_port(
       agree on a free port; pass ``master_port``.
     """
     if master_port is not None:
-        if isinstance(master_port, bool) or not isinstance(master_port, int) or not (
-            1 <= master_port <= 65535
-        ):
+        if isinstance(master_port, bool) or not isinstance(master_port, int) or not (1 <= master_port <= 65535):
             raise ValueError(f"master_port must be an int in 1..65535, got {master_port!r}")
         return master_port
     if env.get(_JOB_ID):
         return slurm_master_port(env[_JOB_ID], env.get(_RESTART_COUNT))
     if nnodes > 1:
-        raise ValueError(
-            "master_port is required when nnodes > 1 outside Slurm (no SLURM_JOB_ID to derive "
-            "it from): every node must use the same port"
-        )
+        raise ValueError("master_port is required when nnodes > 1 outside Slurm (no SLURM_JOB_ID to derive it from): every node must use the same port")
     return _free_port()

@@ -106,9 +106,7 @@ class RankGroup:
         targets = range(len(self.procs)) if ranks is None else list(ranks)
         for local in targets:
             if not 0 <= local < len(self.procs):
-                raise ValueError(
-                    f"ranks: local rank {local} is out of range 0..{len(self.procs) - 1}"
-                )
+                raise ValueError(f"ranks: local rank {local} is out of range 0..{len(self.procs) - 1}")
         sent = []
         for local in targets:
             proc = self.procs[local]
@@ -162,8 +160,10 @@ class RankGroup:
         for local in ready:
             stop_sig = self._stop_signal_for(local, sig)
             if stop_sig != sig:
-                self._log(f"rank {self.ranks[local]} does not handle {signal.Signals(sig).name} (not in its "
-                          f"preemption_signal): sending {signal.Signals(stop_sig).name}, which it does")
+                self._log(
+                    f"rank {self.ranks[local]} does not handle {signal.Signals(sig).name} (not in its "
+                    f"preemption_signal): sending {signal.Signals(stop_sig).name}, which it does"
+                )
             sent += self.send_signal(stop_sig, [local])
         return sent, held
 
@@ -227,25 +227,16 @@ class RankGroup:
                 # 75/76/77 are orderly stops (the others normally follow within moments); the
                 # grace and then SIGTERM still apply, so a peer stuck in a collective cannot hang us.
                 what = "stopped with" if code in _ORDERLY_STOPS else "exited with"
-                self._log(
-                    f"rank {self.ranks[local]} {what} {describe_code(code)}; waiting up to "
-                    f"{self.failure_grace_s:g} s for the other ranks"
-                )
+                self._log(f"rank {self.ranks[local]} {what} {describe_code(code)}; waiting up to {self.failure_grace_s:g} s for the other ranks")
         elif self._term_sent_at is None:
             if now - self._failed_at >= self.failure_grace_s:
                 sent = self.send_signal(signal.SIGTERM)
                 self._term_sent_at = now
-                self._log(
-                    f"failure grace of {self.failure_grace_s:g} s expired; sent SIGTERM to "
-                    f"ranks {self._global(sent)}"
-                )
+                self._log(f"failure grace of {self.failure_grace_s:g} s expired; sent SIGTERM to ranks {self._global(sent)}")
         elif not self._kill_sent and now - self._term_sent_at >= self.kill_grace_s:
             sent = self.send_signal(signal.SIGKILL)
             self._kill_sent = True
-            self._log(
-                f"ranks {self._global(sent)} still running {self.kill_grace_s:g} s after "
-                f"SIGTERM; sent SIGKILL"
-            )
+            self._log(f"ranks {self._global(sent)} still running {self.kill_grace_s:g} s after SIGTERM; sent SIGKILL")
         return None
 
     def wait(self, timeout: float | None = None) -> int:

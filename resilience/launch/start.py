@@ -102,16 +102,18 @@ def launch(
     try:
         for local, rank in enumerate(ranks):
             rank_env = dict(base)
-            rank_env.update({
-                TORCH["rank"]: str(rank),
-                TORCH["local_rank"]: str(local),
-                TORCH["world_size"]: str(nnodes * nproc_per_node),
-                TORCH["local_world_size"]: str(nproc_per_node),
-                TORCH["group_rank"]: str(node_rank),
-                TORCH["master_addr"]: master_addr,
-                TORCH["master_port"]: str(port),
-                LAUNCHER_PID_ENV: str(os.getpid()),
-            })
+            rank_env.update(
+                {
+                    TORCH["rank"]: str(rank),
+                    TORCH["local_rank"]: str(local),
+                    TORCH["world_size"]: str(nnodes * nproc_per_node),
+                    TORCH["local_world_size"]: str(nproc_per_node),
+                    TORCH["group_rank"]: str(node_rank),
+                    TORCH["master_addr"]: master_addr,
+                    TORCH["master_port"]: str(port),
+                    LAUNCHER_PID_ENV: str(os.getpid()),
+                }
+            )
             rank_env[READY_DIR_ENV] = ready_dir
             rank_env[STOP_FILE_ENV] = stop_file
             procs.append(subprocess.Popen(list(cmd), env=rank_env))

@@ -76,9 +76,7 @@ class SlurmJob:
         """The job's end time as a Unix timestamp (seconds), from ``scontrol show job``;
         ``None`` when Slurm reports none (``Unknown``) or ``scontrol`` is unavailable."""
         try:
-            out = subprocess.run(
-                ["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True, timeout=timeout_s, check=True
-            ).stdout
+            out = subprocess.run(["scontrol", "show", "job", "-o", self.job_id], capture_output=True, text=True, timeout=timeout_s, check=True).stdout
         except (OSError, subprocess.SubprocessError):
             return None
         return parse_end_time(out)

@@ -72,8 +72,7 @@ def slurm_signal(config: ResilienceConfig) -> str:
     signals = config.step_scheduler.signals
     if not signals:
         raise ConfigError(
-            "step_scheduler.preemption_signal: null, but a Slurm batch script needs a signal to "
-            "put in --signal=B:<SIG>@<seconds>; set it, e.g. SIGUSR1"
+            "step_scheduler.preemption_signal: null, but a Slurm batch script needs a signal to put in --signal=B:<SIG>@<seconds>; set it, e.g. SIGUSR1"
         )
     name = signals[0].name.removeprefix("SIG")
     if name not in SLURM_SIGNALS:
@@ -150,7 +149,7 @@ def _master_addr(config: ResilienceConfig) -> str:
             "# The first node's NodeAddr: node names need not resolve from the other nodes.",
             'rs_first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             "MASTER_ADDR=$(scontrol show node \"$rs_first\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p' | head -n 1)",
-            'export MASTER_ADDR=${MASTER_ADDR:-$rs_first}',
+            "export MASTER_ADDR=${MASTER_ADDR:-$rs_first}",
         ]
     )
 

@@ -66,8 +66,15 @@ def epoch_complete(loader: Any, batches_in_epoch: int) -> bool:
 
 
 def continue_with_batch_size(
-    step_state: dict[str, int], data_position: dict[str, Any] | None, meta: dict[str, Any], new: int | None,
-    *, loader: Any, checkpoint: str, configured: bool, accumulation: int = 1,
+    step_state: dict[str, int],
+    data_position: dict[str, Any] | None,
+    meta: dict[str, Any],
+    new: int | None,
+    *,
+    loader: Any,
+    checkpoint: str,
+    configured: bool,
+    accumulation: int = 1,
 ) -> tuple[dict[str, int], dict[str, Any] | None]:
     """The step counters and data position to resume with under global batch ``new``.
 
@@ -98,8 +105,13 @@ def continue_with_batch_size(
     old = meta.get("global_batch_size")
     if old is None or new is None:
         if old is not None and new is None:
-            log.warning("%s was trained with a global batch of %d samples; this run's cannot be known (its loader has "
-                        "no batch_size): a change would go unnoticed. Set %s to check it", checkpoint, old, KEY)
+            log.warning(
+                "%s was trained with a global batch of %d samples; this run's cannot be known (its loader has "
+                "no batch_size): a change would go unnoticed. Set %s to check it",
+                checkpoint,
+                old,
+                KEY,
+            )
         return step_state, data_position
     # batches_in_epoch counts loader batches (micro-batches) of global batch / accumulation samples over all
     # ranks: only a change of that size moves the position (a change of the accumulation alone does not)
@@ -122,10 +134,19 @@ def continue_with_batch_size(
             f"skip or repeat samples. Resume with a global batch of {old}, or with a per-rank batch x world size that "
             f"divides {samples}, or from a checkpoint at an epoch's end"
         )
-    where = (f"epoch {step_state['epoch']} was complete: the next starts at its first sample" if complete else
-             f"epoch {step_state['epoch']} continues after its {samples} consumed samples (batch {moved} of the new size)")
-    log.warning("%s: global batch %d -> %d samples: %s; global_step %d continues (it counts optimizer steps, as the "
-                "LR scheduler does)", checkpoint, old, new, where, step_state["global_step"])
+    where = (
+        f"epoch {step_state['epoch']} was complete: the next starts at its first sample"
+        if complete
+        else f"epoch {step_state['epoch']} continues after its {samples} consumed samples (batch {moved} of the new size)"
+    )
+    log.warning(
+        "%s: global batch %d -> %d samples: %s; global_step %d continues (it counts optimizer steps, as the LR scheduler does)",
+        checkpoint,
+        old,
+        new,
+        where,
+        step_state["global_step"],
+    )
     state = {**step_state, "batches_in_epoch": moved}
     if data_position is None:
         return state, None

@@ -56,9 +56,7 @@ def load_rng_state(path: Path) -> None:
     py = json.loads(meta["python"])
     random.setstate((py["version"], tuple(int(x) for x in tensors["python"].tolist()), py["gauss_next"]))
     npm = json.loads(meta["numpy"])
-    np.random.set_state(
-        (npm["kind"], tensors["numpy_keys"].numpy().astype(np.uint32), npm["pos"], npm["has_gauss"], npm["gauss"])
-    )
+    np.random.set_state((npm["kind"], tensors["numpy_keys"].numpy().astype(np.uint32), npm["pos"], npm["has_gauss"], npm["gauss"]))
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):

@@ -63,7 +63,7 @@ def decode(obj: Any, tensor: Callable[[Any], torch.Tensor]) -> Any:
         return [decode(v, tensor) for v in obj]
     if isinstance(obj, dict):
         if len(obj) == 1:
-            (tag, value), = obj.items()
+            ((tag, value),) = obj.items()
             if tag == TENSOR:
                 return tensor(value)
             if tag == TUPLE:

@@ -121,6 +121,7 @@ def shield_dataloader_workers(loader: Any, signals: Iterable[int]) -> bool:
         log.warning(
             "dataloader: its persistent workers were started before resilient_loop(), so they are not "
             "shielded from %s: a signal to the whole process group (Slurm's) kills them and the ranks "
-            "fail without saving. Create the loader's first iterator inside the loop.", names,
+            "fail without saving. Create the loader's first iterator inside the loop.",
+            names,
         )
     return True

@@ -23,10 +23,7 @@ def _reason(value: Any, what: str) -> int:
     try:
         code = operator.index(value)
     except TypeError:
-        raise TypeError(
-            f"{what}: expected 0 (no stop), a positive int reason code, or a bool, got {value!r} "
-            f"({type(value).__name__})"
-        ) from None
+        raise TypeError(f"{what}: expected 0 (no stop), a positive int reason code, or a bool, got {value!r} ({type(value).__name__})") from None
     if code < 0:
         raise ValueError(f"{what}: reason codes are >= 0 (0 = no stop), got {code}")
     return code
@@ -118,10 +115,7 @@ class StopAgreement:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._group)
         high, low = int(both[0]), -int(both[1])
         if high != low:
-            raise ValueError(
-                f"every_steps: must be equal on all ranks, got values from {low} to {high} "
-                f"(this rank: {self._every})"
-            )
+            raise ValueError(f"every_steps: must be equal on all ranks, got values from {low} to {high} (this rank: {self._every})")
 
     @property
     def every_steps(self) -> int:

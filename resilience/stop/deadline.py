@@ -51,8 +51,14 @@ class Deadline:
         """True once the time left no longer covers a stop (see :func:`resilience.timing.must_stop`)."""
         if self.end_time is None:
             return False
-        return timing.must_stop(time.time(), self.end_time, self.timer.step_s, self.timer.save_s,
-                                agreement_every_steps=agreement_every_steps, safety=self.config.step_scheduler.deadline_safety)
+        return timing.must_stop(
+            time.time(),
+            self.end_time,
+            self.timer.step_s,
+            self.timer.save_s,
+            agreement_every_steps=agreement_every_steps,
+            safety=self.config.step_scheduler.deadline_safety,
+        )
 
     def warn_lead_time(self, timings: dict[str, Any], agreement_every_steps: int) -> None:
         """Warn (rank 0, once) when the Slurm signal's lead time cannot cover a stop, judged from
@@ -64,8 +70,9 @@ class Deadline:
         if lead is None and SlurmJob.from_env() is None:
             return
         lead_s = float(lead) if lead is not None else float(self.config.slurm.signal_lead_s)
-        warning = timing.lead_time_warning(lead_s, timings.get("step_s"), timings.get("save_s"),
-                                           agreement_every_steps=agreement_every_steps, safety=self.config.step_scheduler.deadline_safety)
+        warning = timing.lead_time_warning(
+            lead_s, timings.get("step_s"), timings.get("save_s"), agreement_every_steps=agreement_every_steps, safety=self.config.step_scheduler.deadline_safety
+        )
         if warning:
             log.warning(warning)
             self._lead_time_warned = True

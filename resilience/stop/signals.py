@@ -20,17 +20,14 @@ from typing import Any
 DEFAULT_PREEMPTION_SIGNAL = "SIGTERM"
 
 _ACCEPTED = (
-    "accepted: a signal name (case-insensitive, with or without SIG, e.g. 'SIGUSR1', 'usr1'), "
-    "a number (e.g. 15 or '15'), a list of these, or null to disable"
+    "accepted: a signal name (case-insensitive, with or without SIG, e.g. 'SIGUSR1', 'usr1'), a number (e.g. 15 or '15'), a list of these, or null to disable"
 )
 # The kernel never lets a process handle these, so a spec naming them can never work.
 _UNCATCHABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
 _NUMBER = re.compile(r"[+-]?\d+")
 
 
-def parse_preemption_signal(
-    spec: Any = DEFAULT_PREEMPTION_SIGNAL, *, key: str = "step_scheduler.preemption_signal"
-) -> tuple[signal.Signals, ...]:
+def parse_preemption_signal(spec: Any = DEFAULT_PREEMPTION_SIGNAL, *, key: str = "step_scheduler.preemption_signal") -> tuple[signal.Signals, ...]:
     """Normalise a preemption-signal spec to a tuple of :class:`signal.Signals`, in spec order.
 
     Accepted forms (NeMo AutoModel ``preemption_signal`` semantics):
@@ -64,9 +61,7 @@ def parse_preemption_signal(
                 raise TypeError(f"{key}[{i}]: nested list {item!r} is not allowed; {_ACCEPTED}")
             sig = _parse_one(item, f"{key}[{i}]")
             if sig in out:
-                raise ValueError(
-                    f"{key}: {item!r} names {sig.name}, which is already in the list {list(spec)!r}; {_ACCEPTED}"
-                )
+                raise ValueError(f"{key}: {item!r} names {sig.name}, which is already in the list {list(spec)!r}; {_ACCEPTED}")
             out.append(sig)
         return tuple(out)
     return (_parse_one(spec, key),)
@@ -103,16 +98,17 @@ def _from_number(number: int, item: Any, key: str) -> signal.Signals:
 # Signals a process sends itself on a fault or uses for its own bookkeeping: recording one
 # instead of letting it act would hide a crash (SIGSEGV, SIGABRT from torch's fatal errors) or
 # stop training whenever a child exits (SIGCHLD).
-_NOT_A_STOP_REQUEST = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,
-                                 signal.SIGCHLD, signal.SIGPIPE, signal.SIGTRAP})
+_NOT_A_STOP_REQUEST = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT, signal.SIGCHLD, signal.SIGPIPE, signal.SIGTRAP})
 
 
 def _catchable(sig: signal.Signals, item: Any, key: str) -> signal.Signals:
     if sig in _UNCATCHABLE:
         raise ValueError(f"{key}: {item!r} is {sig.name}, which cannot be caught; {_ACCEPTED}")
     if sig in _NOT_A_STOP_REQUEST:
-        raise ValueError(f"{key}: {item!r} is {sig.name}, a fault or bookkeeping signal, not a stop request; "
-                         f"use the one Slurm sends (--signal=B:USR1@N: USR1; scancel's default: TERM); {_ACCEPTED}")
+        raise ValueError(
+            f"{key}: {item!r} is {sig.name}, a fault or bookkeeping signal, not a stop request; "
+            f"use the one Slurm sends (--signal=B:USR1@N: USR1; scancel's default: TERM); {_ACCEPTED}"
+        )
     return sig
 
 
@@ -220,8 +216,7 @@ class SignalRecorder:
                 # Installed by C code before Python started: it could not be restored on exit.
                 self._restore(previous)
                 raise RuntimeError(
-                    f"SignalRecorder: {sig.name} has a handler not installed from Python, which "
-                    "could not be restored; choose another preemption_signal or null"
+                    f"SignalRecorder: {sig.name} has a handler not installed from Python, which could not be restored; choose another preemption_signal or null"
                 )
             try:
                 signal.signal(sig, self._make_handler(prev))

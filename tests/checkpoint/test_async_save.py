@@ -46,8 +46,12 @@ def test_checkpoint_of_step_n_equals_a_deep_copy_at_n_while_steps_n1_n2_run(tmp_
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     for seed in range(3):
         _train_step(model, optimizer, seed)
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(tmp_path), is_async=True), DistContext(),
-                      state=TrainingState(model=model, optimizer=optimizer), scheduler=StepScheduler(num_epochs=1, global_step=3, batches_in_epoch=3))
+    ck = Checkpointer(
+        CheckpointConfig(checkpoint_dir=str(tmp_path), is_async=True),
+        DistContext(),
+        state=TrainingState(model=model, optimizer=optimizer),
+        scheduler=StepScheduler(num_epochs=1, global_step=3, batches_in_epoch=3),
+    )
     expected_model = copy.deepcopy(model.state_dict())
     expected_optim = copy.deepcopy(optimizer.state_dict())
 
@@ -93,8 +97,12 @@ def test_a_failed_background_write_raises_at_the_next_wait(tmp_path):
         if phase == "manifest":
             raise OSError(28, "No space left on device")
 
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(tmp_path), is_async=True), DistContext(),
-                      state=TrainingState(model=torch.nn.Linear(2, 2)), scheduler=StepScheduler(num_epochs=1, global_step=1, batches_in_epoch=1))
+    ck = Checkpointer(
+        CheckpointConfig(checkpoint_dir=str(tmp_path), is_async=True),
+        DistContext(),
+        state=TrainingState(model=torch.nn.Linear(2, 2)),
+        scheduler=StepScheduler(num_epochs=1, global_step=1, batches_in_epoch=1),
+    )
     writer.fault_hook = fail
     try:
         ck.save()

@@ -77,8 +77,12 @@ def scheduler_at(step: int, epoch: int = 0) -> StepScheduler:
 
 def checkpointer(root: Path, state: TrainingState | None = None, scheduler: StepScheduler | None = None, **overrides) -> Checkpointer:
     """A checkpointer of ``state`` (default: ``make_state(seed=1)``) at ``scheduler`` (default: step 0)."""
-    return Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **overrides), DistContext(),
-                        state=state if state is not None else make_state(seed=1), scheduler=scheduler or scheduler_at(0))
+    return Checkpointer(
+        CheckpointConfig(checkpoint_dir=str(root), **overrides),
+        DistContext(),
+        state=state if state is not None else make_state(seed=1),
+        scheduler=scheduler or scheduler_at(0),
+    )
 
 
 def save_at(ck: Checkpointer, step: int, reason: str = "periodic") -> Path | None:
@@ -228,9 +232,17 @@ def test_layout_manifest_lists_exactly_the_files_on_disk_and_latest_is_relative(
         for rel, entry in manifest["files"].items():
             assert entry["size"] == (directory / rel).stat().st_size
             assert entry[DIGEST] == file_digest(directory / rel)
-        assert {model_file(), "optim/.metadata", "optim/skeleton.json", "optim/lr_scheduler.json",
-                "step_scheduler.json", "config.yaml", "rng/rank_00000.safetensors",
-                "dataloader/rank_00000.json", "extra/counter.json"} <= on_disk
+        assert {
+            model_file(),
+            "optim/.metadata",
+            "optim/skeleton.json",
+            "optim/lr_scheduler.json",
+            "step_scheduler.json",
+            "config.yaml",
+            "rng/rank_00000.safetensors",
+            "dataloader/rank_00000.json",
+            "extra/counter.json",
+        } <= on_disk
         assert manifest["meta"]["global_step"] == step
         validate(directory)
 

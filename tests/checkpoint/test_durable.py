@@ -31,8 +31,12 @@ def test_durable_file_digest_equals_reading_the_file_back(tmp_path):
 def test_safetensors_writer_matches_save_file_byte_for_byte(tmp_path):
     torch.manual_seed(0)
     tensors = {
-        "w": torch.randn(7, 3), "b": torch.arange(3.0), "i": torch.arange(5, dtype=torch.int64),
-        "h": torch.randn(4, dtype=torch.bfloat16), "m": torch.tensor([True, False]), "s": torch.tensor(2.5),
+        "w": torch.randn(7, 3),
+        "b": torch.arange(3.0),
+        "i": torch.arange(5, dtype=torch.int64),
+        "h": torch.randn(4, dtype=torch.bfloat16),
+        "m": torch.tensor([True, False]),
+        "s": torch.tensor(2.5),
         "empty": torch.zeros(0, 4),
     }
     meta = {"format": "pt"}  # one key: save_file orders __metadata__ keys at random (a Rust HashMap)

@@ -33,8 +33,13 @@ class EMA:
         self.history.append((self.updates, float("nan") if self.updates == 2 else 0.5))
 
     def state_dict(self):
-        return {"shadow": self.shadow, "updates": self.updates, "history": self.history,
-                "by_step": {self.updates: torch.tensor([self.updates], dtype=torch.int64)}, "bf16": torch.ones(3, dtype=torch.bfloat16)}
+        return {
+            "shadow": self.shadow,
+            "updates": self.updates,
+            "history": self.history,
+            "by_step": {self.updates: torch.tensor([self.updates], dtype=torch.int64)},
+            "bf16": torch.ones(3, dtype=torch.bfloat16),
+        }
 
     def load_state_dict(self, state):
         self.shadow, self.updates, self.history = state["shadow"], state["updates"], state["history"]

@@ -43,8 +43,7 @@ def _latest(ckpt):
 def test_disk_full_during_a_save_raises_on_every_rank_and_keeps_latest(small_fs, capfd):
     ckpt = small_fs / "ck"
     # the run fills the filesystem right after its first checkpoint: the second one cannot fit
-    codes, _ = run_tiny(ckpt, overrides=["step_scheduler.ckpt_every_steps=10"],
-                        env={"FILL_AFTER_FIRST_SAVE": "1"})
+    codes, _ = run_tiny(ckpt, overrides=["step_scheduler.ckpt_every_steps=10"], env={"FILL_AFTER_FIRST_SAVE": "1"})
     err = capfd.readouterr().err
     assert codes == [1, 1], (codes, err[-3000:])
     assert err.count("CheckpointSaveError") >= 2, "both ranks must raise the save error"

@@ -46,8 +46,13 @@ def offline_and_no_launcher(monkeypatch, no_launcher_environment):
 
 def tiny_config() -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
 
 
@@ -98,7 +103,12 @@ def test_tiny_causal_lm_trained_under_resilient_loop_loads_with_from_pretrained_
     consolidated = final / "model" / "consolidated"
     names = {p.name for p in consolidated.iterdir()}
     assert {
-        "config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
     } <= names
     index = json.loads((consolidated / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(model.state_dict()) and index["metadata"]["total_size"] > 0
@@ -175,7 +185,10 @@ def test_embeddings_tied_by_hand_against_the_config_are_in_both_bundles_and_load
     later = tmp_path / "later"
     run = subprocess.run(
         [sys.executable, "-m", "resilience", "consolidate", str(model_dir), "--output", str(later), "--nproc", "2", "--no-progress"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert run.returncode == 0, run.stderr
     ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(7))

@@ -21,19 +21,25 @@ def _string_constants(path: Path) -> list[tuple[int, str]]:
     """``(line, value)`` of every string constant in ``path`` outside docstrings."""
     tree = ast.parse(path.read_text())
     docstrings = {
-        id(node.body[0].value) for node in ast.walk(tree)
+        id(node.body[0].value)
+        for node in ast.walk(tree)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
     }
-    return [(node.lineno, node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+    return [
+        (node.lineno, node.value) for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
 
 
 def test_no_module_but_layout_spells_an_on_disk_name():
     spelled = [
         f"{path.relative_to(PACKAGE.parent)}:{line}: {value!r}"
-        for path in sorted(PACKAGE.rglob("*.py")) if path.name != "layout.py"
-        for line, value in _string_constants(path) if value in FILE_NAMES
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "layout.py"
+        for line, value in _string_constants(path)
+        if value in FILE_NAMES
     ]
     assert not spelled, "on-disk names spelled outside checkpoint/layout.py:\n" + "\n".join(spelled)
 

@@ -160,7 +160,7 @@ def parse_tree(text: str) -> dict[str, str | None]:
     stack: list[tuple[int, str]] = []
     for line in lines:
         column = min(i for i in (line.find("├"), line.find("└")) if i >= 0)
-        name = line[column + 4:].strip()
+        name = line[column + 4 :].strip()
         target = None
         if " -> " in name:
             name, target = name.split(" -> ")

@@ -26,8 +26,17 @@ class Crash(Exception):
     pass
 
 
-def run(root: Path, max_steps: int, val: dict[int, object], *, every: int = 1, crash_at: int | None = None,
-        checkpoint: dict | None = None, step_scheduler: dict | None = None, seen: list | None = None):
+def run(
+    root: Path,
+    max_steps: int,
+    val: dict[int, object],
+    *,
+    every: int = 1,
+    crash_at: int | None = None,
+    checkpoint: dict | None = None,
+    step_scheduler: dict | None = None,
+    seen: list | None = None,
+):
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -102,8 +102,9 @@ def at(ck: Checkpointer, step: int) -> Checkpointer:
 @pytest.mark.parametrize("phase", ["parts", "manifest", "rename", "pointer"])
 def test_a_failed_save_prunes_nothing(tmp_path, phase):
     root = tmp_path / "ck"
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root), max_recent_checkpoints=2), DistContext(),
-                      state=make_state(), scheduler=StepScheduler(num_epochs=1))
+    ck = Checkpointer(
+        CheckpointConfig(checkpoint_dir=str(root), max_recent_checkpoints=2), DistContext(), state=make_state(), scheduler=StepScheduler(num_epochs=1)
+    )
     at(ck, 1).save()
     at(ck, 2).save()
 
@@ -123,8 +124,9 @@ def test_a_failed_save_prunes_nothing(tmp_path, phase):
 
 def test_pruning_starts_only_once_latest_names_the_new_checkpoint(tmp_path):
     root = tmp_path / "ck"
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root), max_recent_checkpoints=1), DistContext(),
-                      state=make_state(), scheduler=StepScheduler(num_epochs=1))
+    ck = Checkpointer(
+        CheckpointConfig(checkpoint_dir=str(root), max_recent_checkpoints=1), DistContext(), state=make_state(), scheduler=StepScheduler(num_epochs=1)
+    )
     at(ck, 1).save()
     seen = {}
 

@@ -56,8 +56,7 @@ def test_after_rolling_latest_back_the_new_timeline_keeps_its_checkpoints_and_a_
     ckpt, abandoned = train_to_30(tmp_path)
     write_pointer(ckpt, LATEST, ckpt / "epoch_0_step_10")  # roll back
 
-    assert run(ckpt, tmp_path / "b.rec", overrides=[EPOCHS, EVERY_10, "step_scheduler.max_steps=25",
-                                                   "checkpoint.max_recent_checkpoints=2"]) == [ExitCode.DONE]
+    assert run(ckpt, tmp_path / "b.rec", overrides=[EPOCHS, EVERY_10, "step_scheduler.max_steps=25", "checkpoint.max_recent_checkpoints=2"]) == [ExitCode.DONE]
     err = capfd.readouterr().err
     kept = names(ckpt)
     aside = [name for name in kept if name.startswith("epoch_1_step_20.abandoned-")]
@@ -83,8 +82,9 @@ def test_after_rolling_latest_back_the_new_timeline_keeps_its_checkpoints_and_a_
 @pytest.mark.timeout(300)
 def test_after_restore_from_an_older_checkpoint_a_start_without_latest_resumes_the_new_timeline_not_the_higher_abandoned_step(tmp_path, reference):
     ckpt, abandoned = train_to_30(tmp_path)
-    assert run(ckpt, tmp_path / "b.rec", overrides=[EPOCHS, EVERY_10, "step_scheduler.max_steps=25",
-                                                   "checkpoint.restore_from=epoch_0_step_10"]) == [ExitCode.DONE]
+    assert run(ckpt, tmp_path / "b.rec", overrides=[EPOCHS, EVERY_10, "step_scheduler.max_steps=25", "checkpoint.restore_from=epoch_0_step_10"]) == [
+        ExitCode.DONE
+    ]
     assert validate(ckpt / "epoch_2_step_30")["meta"].get("checkpoint_id") == abandoned["epoch_2_step_30"]  # nothing deleted
 
     (ckpt / LATEST).unlink()

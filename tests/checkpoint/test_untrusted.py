@@ -47,8 +47,12 @@ def _rewrite_with_matching_manifest(directory: Path, rel: str, data: bytes) -> N
 
 
 def test_a_crafted_pickle_in_dcp_metadata_is_refused_and_never_executed(tmp_path):
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(tmp_path / "ck")), DistContext(),
-                      state=_trained_state(), scheduler=StepScheduler(num_epochs=1, global_step=1, batches_in_epoch=1))
+    ck = Checkpointer(
+        CheckpointConfig(checkpoint_dir=str(tmp_path / "ck")),
+        DistContext(),
+        state=_trained_state(),
+        scheduler=StepScheduler(num_epochs=1, global_step=1, batches_in_epoch=1),
+    )
     saved = ck.save()
     marker = tmp_path / "pwned"
     _rewrite_with_matching_manifest(saved, "optim/.metadata", pickle.dumps(_Payload(marker)))

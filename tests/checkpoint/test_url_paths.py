@@ -90,7 +90,6 @@ def test_checkpoint_commands_exit_2_on_an_object_store_url_even_when_a_folder_na
 def test_resilience_status_with_a_url_exits_2_in_a_real_process(tmp_path):
     (tmp_path / "s3:" / "bucket" / "x").mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    result = subprocess.run([sys.executable, "-m", "resilience", "status", "s3://bucket/x"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "resilience", "status", "s3://bucket/x"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "CHECKPOINT_DIR='s3://bucket/x': s3:// URLs are not supported" in result.stderr

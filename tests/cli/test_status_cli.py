@@ -168,7 +168,7 @@ def test_status_text_matches_golden_and_columns_align(damaged, capsys):
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("NAME"))
     col = lines[header].index("STATE")
-    states = [line[col:].split("  ")[0] for line in lines[header + 1:header + 8]]
+    states = [line[col:].split("  ")[0] for line in lines[header + 1 : header + 8]]
     assert states == ["incomplete", "corrupt", "incomplete", "marked bad", "complete", "complete", "corrupt"]
 
 
@@ -250,8 +250,7 @@ def test_status_resume_rule_mirrors_the_reader(tmp_path, capsys, case):
 
 def test_status_verify_and_advise_never_modify_the_directory(damaged, capsys):
     before = tree(damaged)
-    for argv in (["status", str(damaged)], ["status", str(damaged), "--deep", "--json"],
-                 ["verify", str(damaged), "--no-progress"], ["advise", str(damaged)]):
+    for argv in (["status", str(damaged)], ["status", str(damaged), "--deep", "--json"], ["verify", str(damaged), "--no-progress"], ["advise", str(damaged)]):
         run_cli(capsys, *argv)
     assert tree(damaged) == before
     assert not (damaged / "epoch_0_step_10" / BAD_MARKER).exists()  # the reader would have marked it
@@ -287,8 +286,12 @@ def test_verify_root_reports_every_failure_and_exits_1(damaged, capsys):
         if manifest.exists():
             assert result["files_checked"] == len(json.loads(manifest.read_text())["files"])
     assert {r["name"]: r["ok"] for r in doc["checkpoints"]} == {
-        "epoch_0_step_10": False, "epoch_0_step_9": False, "epoch_0_step_8": True,
-        "epoch_0_step_6": False, "epoch_0_step_4": True, "epoch_0_step_2": False,
+        "epoch_0_step_10": False,
+        "epoch_0_step_9": False,
+        "epoch_0_step_8": True,
+        "epoch_0_step_6": False,
+        "epoch_0_step_4": True,
+        "epoch_0_step_2": False,
     }
 
 
@@ -319,8 +322,9 @@ def test_verify_bad_path_exits_2(tmp_path, capsys, what):
 
 @pytest.mark.timeout(60)
 def test_verify_exit_code_through_the_console_entry_point(damaged):
-    run = subprocess.run([sys.executable, "-m", "resilience", "verify", str(damaged / "epoch_0_step_2"), "--no-progress"],
-                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "resilience", "verify", str(damaged / "epoch_0_step_2"), "--no-progress"], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert run.returncode == 1
     assert "config.yaml: missing" in run.stdout
 
@@ -331,19 +335,27 @@ def test_verify_exit_code_through_the_console_entry_point(damaged):
 def write_manifest(root: Path, step: int, saved_at: float, step_s, save_s) -> None:
     directory = root / f"epoch_0_step_{step}"
     directory.mkdir(parents=True)
-    meta = {"epoch": 0, "global_step": step, "world_size": 1, "reason": "periodic", "saved_at": saved_at,
-            "run_id": "r", "is_async": False, "timings": {"step_s": step_s, "save_s": save_s}}
+    meta = {
+        "epoch": 0,
+        "global_step": step,
+        "world_size": 1,
+        "reason": "periodic",
+        "saved_at": saved_at,
+        "run_id": "r",
+        "is_async": False,
+        "timings": {"step_s": step_s, "save_s": save_s},
+    }
     (directory / MANIFEST).write_text(json.dumps({"format_version": 1, "meta": meta, "files": {}}))
 
 
 @pytest.fixture
 def timed(tmp_path) -> Path:
     root = tmp_path / "timed"
-    write_manifest(root, 2, 100.0, None, None)      # the first save: nothing timed yet
+    write_manifest(root, 2, 100.0, None, None)  # the first save: nothing timed yet
     write_manifest(root, 4, 200.0, 0.4, None)
-    write_manifest(root, 6, 300.0, 0.5, 4.0)        # the newest with both times
-    write_manifest(root, 8, 400.0, 0.6, None)       # newest, but no save time
-    write_manifest(root, 10, 50.0, 0.3, 2.0)        # highest step, oldest save (another run)
+    write_manifest(root, 6, 300.0, 0.5, 4.0)  # the newest with both times
+    write_manifest(root, 8, 400.0, 0.6, None)  # newest, but no save time
+    write_manifest(root, 10, 50.0, 0.3, 2.0)  # highest step, oldest save (another run)
     return root
 
 
@@ -386,10 +398,15 @@ def test_advise_without_timings_exits_1_saying_why(tmp_path, capsys):
     assert "no step times recorded" in err
 
 
-@pytest.mark.parametrize("argv, names", [
-    (["--safety", "0"], "--safety"), (["--safety", "x"], "--safety"),
-    (["--agreement-every-steps", "0"], "--agreement-every-steps"), ([], "CHECKPOINT_DIR"),
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--safety", "0"], "--safety"),
+        (["--safety", "x"], "--safety"),
+        (["--agreement-every-steps", "0"], "--agreement-every-steps"),
+        ([], "CHECKPOINT_DIR"),
+    ],
+)
 def test_advise_bad_arguments_exit_2_naming_them(tmp_path, capsys, argv, names):
     root = tmp_path if argv else tmp_path / "nope"
     code, _, err = run_cli(capsys, "advise", str(root), *argv)
@@ -397,8 +414,9 @@ def test_advise_bad_arguments_exit_2_naming_them(tmp_path, capsys, argv, names):
 
 
 def test_registering_the_commands_keeps_torch_out_of_cli_import():
-    run = subprocess.run([sys.executable, "-c", "import sys, resilience.cli; print('torch' in sys.modules)"],
-                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys, resilience.cli; print('torch' in sys.modules)"], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert run.stdout.strip() == "False", run.stderr
 
 
@@ -415,8 +433,7 @@ def test_status_of_a_relative_root_keeps_absolute_paths_in_messages_whole(damage
 
 
 def test_advise_takes_cadence_and_signal_from_the_runs_saved_config(timed, capsys):
-    (timed / "epoch_0_step_6" / "config.yaml").write_text(
-        "step_scheduler:\n  agreement_every_steps: 4\n  preemption_signal: [SIGTERM]\n")
+    (timed / "epoch_0_step_6" / "config.yaml").write_text("step_scheduler:\n  agreement_every_steps: 4\n  preemption_signal: [SIGTERM]\n")
     code, out, _ = run_cli(capsys, "advise", str(timed), "--json")
     assert code == 0
     doc = json.loads(out)
@@ -443,11 +460,15 @@ def test_status_shows_the_restart_guard_and_when_the_next_start_would_exit_76(da
     assert "the next start exits 76 (NO_PROGRESS) at once" in out and ".starts.json" in out
 
 
-@pytest.mark.parametrize("slurm,warned", [
-    ("  launcher: torchrun\n", True),
-    ("  launcher: torchrun\n  setup: ['export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120']\n", False),
-    ("  launcher: resilience\n", False),
-], ids=["torchrun", "torchrun-shutdown-timeout-120", "resilience"])
+@pytest.mark.parametrize(
+    "slurm,warned",
+    [
+        ("  launcher: torchrun\n", True),
+        ("  launcher: torchrun\n  setup: ['export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120']\n", False),
+        ("  launcher: resilience\n", False),
+    ],
+    ids=["torchrun", "torchrun-shutdown-timeout-120", "resilience"],
+)
 def test_advise_warns_when_a_stop_outlasts_torchruns_sigterm_budget(tmp_path, capsys, slurm, warned):
     """torchrun's agent SIGKILLs its workers 30 s after its own SIGTERM: a 40 s save is lost there."""
     root = tmp_path / "slow"
@@ -486,8 +507,12 @@ def test_status_tells_failed_from_cleanly_preempted_starts_and_says_why_the_next
 
 
 def _save_one(root: Path, model: torch.nn.Module, **checkpoint) -> Path:
-    ck = Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **checkpoint), DistContext(),
-                      state=TrainingState(model=model), scheduler=StepScheduler(num_epochs=1, batches_in_epoch=1, global_step=1))
+    ck = Checkpointer(
+        CheckpointConfig(checkpoint_dir=str(root), **checkpoint),
+        DistContext(),
+        state=TrainingState(model=model),
+        scheduler=StepScheduler(num_epochs=1, batches_in_epoch=1, global_step=1),
+    )
     return ck.save()
 
 
@@ -505,8 +530,12 @@ def test_status_shows_model_format_world_size_hf_bundle_and_adapters(tmp_path, c
         "lora": _save_one(tmp_path / "lora", peft.get_peft_model(_mlp(), peft.LoraConfig(target_modules=["0"], r=2))),
     }
     assert run_cli(capsys, "consolidate", str(kinds["bundle"]))[0] == 0
-    want = {"dcp": ("torch_save", "full", False, "torch_save full"), "shards": ("safetensors", "full", False, "safetensors full"),
-            "bundle": ("safetensors", "full", True, "safetensors full +HF"), "lora": ("safetensors", "adapters", False, "safetensors adapters")}
+    want = {
+        "dcp": ("torch_save", "full", False, "torch_save full"),
+        "shards": ("safetensors", "full", False, "safetensors full"),
+        "bundle": ("safetensors", "full", True, "safetensors full +HF"),
+        "lora": ("safetensors", "adapters", False, "safetensors adapters"),
+    }
     for name, (fmt, weights, hf, shown) in want.items():
         code, out, _ = run_cli(capsys, "status", str(tmp_path / name), "--json")
         entry = json.loads(out)["checkpoints"][0]
@@ -525,7 +554,8 @@ def test_verify_checks_a_bundle_consolidated_after_the_checkpoint(tmp_path, caps
     result = json.loads(out)["checkpoints"][0]
     assert code == 0 and result["bundle"] == "verified"
     assert result["files_checked"] == len(json.loads((directory / MANIFEST).read_text())["files"]) + len(
-        json.loads((bundle / "bundle_manifest.json").read_text())["files"])
+        json.loads((bundle / "bundle_manifest.json").read_text())["files"]
+    )
 
     weights = bundle / "model-00001-of-00001.safetensors"
     data = bytearray(weights.read_bytes())

@@ -178,9 +178,7 @@ def test_trap_is_installed_before_anything_is_launched() -> None:
     for name in CASES:
         lines = _render(name).splitlines()
         trap = next(i for i, line in enumerate(lines) if line.startswith("trap "))
-        first_run = next(
-            i for i, line in enumerate(lines) if line.startswith(("srun", "/opt/venv/bin/python", "module load", "mkdir"))
-        )
+        first_run = next(i for i, line in enumerate(lines) if line.startswith(("srun", "/opt/venv/bin/python", "module load", "mkdir")))
         assert trap < first_run, name
 
 
@@ -268,7 +266,7 @@ def test_cli_accepts_overrides_after_the_output_option(tmp_path: Path, capsys) -
 # torch import, so each test takes seconds) that behaves like resilient_loop() towards signals:
 # handler first, then the launcher's ready marker (resilience.stop.handshake), then the stop file.
 
-FAKE_RANK = r'''
+FAKE_RANK = r"""
 import os, signal, sys, time
 got = []
 signal.signal(signal.SIGUSR1, lambda *a: got.append(a[0]))
@@ -281,7 +279,7 @@ while not (got or stopped_before) and time.monotonic() < deadline:
     time.sleep(0.02)
 print("fake rank %s: signal=%s stop_file=%s" % (os.environ["RANK"], bool(got), stopped_before), flush=True)
 sys.exit(int(os.environ["FAKE_EXIT"]))
-'''
+"""
 
 
 def _run_script(
@@ -299,9 +297,7 @@ def _run_script(
     calls = tmp_path / "scontrol-calls"
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
     (bin_dir / "scontrol").chmod(0o755)
-    data = _variant(
-        script=str(rank), script_args=[], python=sys.executable, nproc_per_node=2, max_restarts=max_restarts, setup=[], launcher=launcher
-    )
+    data = _variant(script=str(rank), script_args=[], python=sys.executable, nproc_per_node=2, max_restarts=max_restarts, setup=[], launcher=launcher)
     script = tmp_path / "job.sub"
     script.write_text(render_slurm(config_from_dict(data), config_path="unused.yaml"))
     log = tmp_path / "log"

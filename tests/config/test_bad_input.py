@@ -64,16 +64,31 @@ CONFIGS = [
     ("async-timeout-negative", {"checkpoint": {"async_timeout_s": -1}}, ["checkpoint.async_timeout_s", "> 0"]),
     ("keep-zero-checkpoints", {"checkpoint": {"max_recent_checkpoints": 0}}, ["checkpoint.max_recent_checkpoints", ">= 1"]),
     # conflicting options
-    ("save-max-and-max-recent", {"checkpoint": {"save_max": 2, "max_recent_checkpoints": 3}},
-     ["checkpoint.max_recent_checkpoints and checkpoint.save_max both set", "set one of them"]),
-    ("consolidated-with-torch-save", {"checkpoint": {"save_consolidated": "every", "model_save_format": "torch_save"}},
-     ["checkpoint.save_consolidated", "needs checkpoint.model_save_format: safetensors"]),
-    ("load-path-and-restore-from", {"checkpoint": {"load_path": "/a", "restore_from": "/b"}},
-     ["checkpoint.load_path and checkpoint.restore_from", "set one of them"]),
-    ("retention-on-a-url", {"checkpoint": {"checkpoint_dir": "s3://b/ck", "max_recent_checkpoints": 2}},
-     ["checkpoint.checkpoint_dir", "s3:// URLs are not supported", "a local or mounted path"]),
-    ("two-spellings-disagree", {"checkpoint": {"save_path": "/a", "checkpoint_dir": "/b"}},
-     ["checkpoint.save_path", "checkpoint.checkpoint_dir", "give one of them"]),
+    (
+        "save-max-and-max-recent",
+        {"checkpoint": {"save_max": 2, "max_recent_checkpoints": 3}},
+        ["checkpoint.max_recent_checkpoints and checkpoint.save_max both set", "set one of them"],
+    ),
+    (
+        "consolidated-with-torch-save",
+        {"checkpoint": {"save_consolidated": "every", "model_save_format": "torch_save"}},
+        ["checkpoint.save_consolidated", "needs checkpoint.model_save_format: safetensors"],
+    ),
+    (
+        "load-path-and-restore-from",
+        {"checkpoint": {"load_path": "/a", "restore_from": "/b"}},
+        ["checkpoint.load_path and checkpoint.restore_from", "set one of them"],
+    ),
+    (
+        "retention-on-a-url",
+        {"checkpoint": {"checkpoint_dir": "s3://b/ck", "max_recent_checkpoints": 2}},
+        ["checkpoint.checkpoint_dir", "s3:// URLs are not supported", "a local or mounted path"],
+    ),
+    (
+        "two-spellings-disagree",
+        {"checkpoint": {"save_path": "/a", "checkpoint_dir": "/b"}},
+        ["checkpoint.save_path", "checkpoint.checkpoint_dir", "give one of them"],
+    ),
     # bad signal specs
     ("signal-unknown-name", {"step_scheduler": {"preemption_signal": "SIGFOO"}}, [SIG, "unknown signal 'SIGFOO'", SIGNAL_FORMS]),
     ("signal-kill", {"step_scheduler": {"preemption_signal": "KILL"}}, [SIG, "cannot be caught", SIGNAL_FORMS]),
@@ -207,8 +222,11 @@ RUN_ARGS = [
     ("no-program", ["--nproc-per-node", "1"], ["the following arguments are required: script.py|module|program"]),
     ("nproc-not-a-number", ["--nproc-per-node", "abc", "{marker}"], ["argument --nproc-per-node/--nproc_per_node/-n: invalid int value: 'abc'"]),
     ("nproc-zero", ["--nproc-per-node", "0", "{marker}"], ["nproc_per_node must be an int >= 1, got 0"]),
-    ("node-rank-too-large", ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "{marker}"],
-     ["node_rank must be in 0..nnodes-1 = 0..1, got 2"]),
+    (
+        "node-rank-too-large",
+        ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "{marker}"],
+        ["node_rank must be in 0..nnodes-1 = 0..1, got 2"],
+    ),
     ("negative-failure-grace", ["--nproc-per-node", "1", "--failure-grace", "-1", "{marker}"], ["failure_grace_s must be a number of seconds >= 0"]),
     ("kill-grace-not-a-number", ["--nproc-per-node", "1", "--kill-grace", "soon", "{marker}"], ["argument --kill-grace: invalid float value: 'soon'"]),
     ("port-out-of-range", ["--nproc-per-node", "1", "--master-port", "70000", "{marker}"], ["master_port must be an int in 1..65535, got 70000"]),
@@ -254,12 +272,14 @@ TEMPLATE_ARGS = [
 @pytest.mark.parametrize("extra,expected", [pytest.param(a, e, id=i) for i, a, e in TEMPLATE_ARGS])
 def test_bad_template_input_exits_2_naming_the_key_and_renders_nothing(tmp_path, capsys, extra, expected):
     config = tmp_path / "train.yaml"
-    config.write_text(textwrap.dedent("""\
+    config.write_text(
+        textwrap.dedent("""\
         step_scheduler:
           preemption_signal: USR1
         slurm:
           script: train.py
-        """))
+        """)
+    )
     kind, path, options = "slurm", str(config), []
     for item in extra:
         if item == "{missing}":

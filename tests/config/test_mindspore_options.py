@@ -63,12 +63,23 @@ def ms(root: Path, **checkpoint) -> dict:
 
 # -- configuration ---------------------------------------------------------------------------------
 def test_mindspore_names_map_onto_ours():
-    cfg = config_from_dict({
-        "checkpoint": {"save_path": "/x/ck", "save_interleaved_steps": 50, "async_save": True, "save_max": 5,
-                       "no_save_optim": True, "no_load_optim": True, "load_path": "/x/pre", "load_balanced": True,
-                       "prefix": "llama", "enable_save": True},
-        "training": {"global_batch_size": 64, "seed": 1},
-    })
+    cfg = config_from_dict(
+        {
+            "checkpoint": {
+                "save_path": "/x/ck",
+                "save_interleaved_steps": 50,
+                "async_save": True,
+                "save_max": 5,
+                "no_save_optim": True,
+                "no_load_optim": True,
+                "load_path": "/x/pre",
+                "load_balanced": True,
+                "prefix": "llama",
+                "enable_save": True,
+            },
+            "training": {"global_batch_size": 64, "seed": 1},
+        }
+    )
     ck = cfg.checkpoint
     assert (ck.checkpoint_dir, cfg.step_scheduler.ckpt_every_steps, ck.is_async) == ("/x/ck", 50, True)
     assert (ck.save_max, ck.no_save_optim, ck.no_load_optim, ck.load_path, ck.load_balanced, ck.prefix) == (5, True, True, "/x/pre", True, "llama")
@@ -78,19 +89,22 @@ def test_mindspore_names_map_onto_ours():
     assert again.checkpoint == ck and again.step_scheduler == cfg.step_scheduler
 
 
-@pytest.mark.parametrize("ours, theirs", [
-    ({"checkpoint": {"checkpoint_dir": "/a"}}, {"checkpoint": {"save_path": "/b"}}),
-    ({"step_scheduler": {"ckpt_every_steps": 10}}, {"checkpoint": {"save_interleaved_steps": 20}}),
-    ({"checkpoint": {"is_async": False}}, {"checkpoint": {"async_save": True}}),
-    ({"step_scheduler": {"global_batch_size": 8}}, {"training": {"global_batch_size": 16}}),
-])
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        ({"checkpoint": {"checkpoint_dir": "/a"}}, {"checkpoint": {"save_path": "/b"}}),
+        ({"step_scheduler": {"ckpt_every_steps": 10}}, {"checkpoint": {"save_interleaved_steps": 20}}),
+        ({"checkpoint": {"is_async": False}}, {"checkpoint": {"async_save": True}}),
+        ({"step_scheduler": {"global_batch_size": 8}}, {"training": {"global_batch_size": 16}}),
+    ],
+)
 def test_both_spellings_with_different_values_is_an_error_naming_both(ours, theirs):
     data: dict = {}
     for part in (ours, theirs):
         for section, keys in part.items():
             data.setdefault(section, {}).update(keys)
-    (their_section, their_keys), = theirs.items()
-    (our_section, our_keys), = ours.items()
+    ((their_section, their_keys),) = theirs.items()
+    ((our_section, our_keys),) = ours.items()
     with pytest.raises(ConfigError) as info:
         config_from_dict(data)
     assert f"{their_section}.{next(iter(their_keys))}" in str(info.value)
@@ -109,9 +123,20 @@ def test_empty_save_path_while_saving_is_an_error(value):
     config_from_dict({"checkpoint": {"save_path": value, "enable_save": False}})  # nothing is saved: fine
 
 
-@pytest.mark.parametrize("key, value", [("enable_save", "yes"), ("no_save_optim", 1), ("no_load_optim", None),
-                                        ("load_balanced", "true"), ("is_async", 0), ("save_max", 0), ("prefix", 3),
-                                        ("best_metric_key", ""), ("load_path", 5)])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("enable_save", "yes"),
+        ("no_save_optim", 1),
+        ("no_load_optim", None),
+        ("load_balanced", "true"),
+        ("is_async", 0),
+        ("save_max", 0),
+        ("prefix", 3),
+        ("best_metric_key", ""),
+        ("load_path", 5),
+    ],
+)
 def test_bad_values_name_the_key(key, value):
     with pytest.raises(ConfigError, match=rf"checkpoint\.{key}"):
         config_from_dict({"checkpoint": {key: value}})
@@ -159,10 +184,8 @@ def test_common_json_records_mindspore_training_info(tmp_path):
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     train(cfg, dataloader=BATCHES[:3], extra_state={"scaler": scaler})
     common = {p.name: json.loads((p / "common.json").read_text()) for p in root.glob("epoch_*")}
-    assert common["epoch_0_step_3"] == {"epoch_num": 1, "step_num": 3, "global_step": 3, "loss_scale": 1024.0,
-                                        "global_batch_size": 2, "ckpt_status": None}
-    assert common["epoch_1_step_4"] == {"epoch_num": 2, "step_num": 1, "global_step": 4, "loss_scale": 1024.0,
-                                        "global_batch_size": 2, "ckpt_status": None}
+    assert common["epoch_0_step_3"] == {"epoch_num": 1, "step_num": 3, "global_step": 3, "loss_scale": 1024.0, "global_batch_size": 2, "ckpt_status": None}
+    assert common["epoch_1_step_4"] == {"epoch_num": 2, "step_num": 1, "global_step": 4, "loss_scale": 1024.0, "global_batch_size": 2, "ckpt_status": None}
     assert "common.json" in read_manifest(root / "epoch_1_step_4")["files"]
 
 
@@ -170,8 +193,9 @@ def test_resaving_a_step_of_an_abandoned_timeline_replaces_it_atomically_and_kee
     root = tmp_path / "ck"
     train({"step_scheduler": {"max_steps": 4, "ckpt_every_steps": 2}, "checkpoint": {"checkpoint_dir": str(root)}})
     first = read_manifest(root / "epoch_0_step_4")["meta"]
-    _, model, _ = train({"step_scheduler": {"max_steps": 4, "ckpt_every_steps": 2},
-                         "checkpoint": {"checkpoint_dir": str(root), "restore_from": "epoch_0_step_2"}}, lr=0.5)
+    _, model, _ = train(
+        {"step_scheduler": {"max_steps": 4, "ckpt_every_steps": 2}, "checkpoint": {"checkpoint_dir": str(root), "restore_from": "epoch_0_step_2"}}, lr=0.5
+    )
     second = validate(root / "epoch_0_step_4")["meta"]
     assert second["saved_at"] > first["saved_at"]
     assert read_pointer(root, LATEST) == root / "epoch_0_step_4"
@@ -181,8 +205,9 @@ def test_resaving_a_step_of_an_abandoned_timeline_replaces_it_atomically_and_kee
     assert second["parent"] == {"name": "epoch_0_step_2", "checkpoint_id": validate(root / "epoch_0_step_2")["meta"]["checkpoint_id"]}
     fresh = torch.nn.Linear(2, 1)
     state = TrainingState(model=fresh)
-    Checkpointer(config_from_dict({"checkpoint": {"checkpoint_dir": str(root)}}).checkpoint, DistContext(),
-                 state=state, scheduler=StepScheduler(num_epochs=1)).load(root / "epoch_0_step_4", state)
+    Checkpointer(
+        config_from_dict({"checkpoint": {"checkpoint_dir": str(root)}}).checkpoint, DistContext(), state=state, scheduler=StepScheduler(num_epochs=1)
+    ).load(root / "epoch_0_step_4", state)
     assert torch.equal(fresh.weight, model.weight)  # the second run's weights, not the first's
 
 
@@ -232,8 +257,7 @@ def sample_run(root: Path, batch_size: int, max_steps: int, first: list):
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    cfg = {"step_scheduler": {"max_steps": max_steps, "global_batch_size": batch_size},
-           "checkpoint": {"checkpoint_dir": str(root)}}
+    cfg = {"step_scheduler": {"max_steps": max_steps, "global_batch_size": batch_size}, "checkpoint": {"checkpoint_dir": str(root)}}
     with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=sampler_loader(batch_size)) as loop:
         for step in loop:
             first.append((step.global_step, step.batch[0].squeeze(1).long().tolist()))

@@ -36,14 +36,16 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
     work = tmp_path / "work"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--size", "4M", "--repeat", "1", "--dir", str(work), "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=230,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=230,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
 
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert table[0].startswith("| figure | ours | anchor (same run) | ratio | target |")
-    for label in ("sync save", "load for resume", "async save", "stop agreement, ours k=1", "stop latency, k=1",
-                  "signal to exit", "peak extra RSS"):
+    for label in ("sync save", "load for resume", "async save", "stop agreement, ours k=1", "stop latency, k=1", "signal to exit", "peak extra RSS"):
         assert any(row.startswith(f"| {label}") for row in table), f"no table row for {label!r}:\n" + "\n".join(table)
 
     doc = json.loads(out.read_text())

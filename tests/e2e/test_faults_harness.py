@@ -25,7 +25,10 @@ def _leading_int(text: str) -> int:
 def test_three_random_kills_leave_no_torn_checkpoint_and_every_resume_is_exact(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench.faults", "--trials", "3", "--seed", "1", "--dir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=230,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=230,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     counts = _counts(proc.stdout)
@@ -44,7 +47,10 @@ def test_the_checker_counts_a_checkpoint_torn_on_purpose_and_exits_non_zero(tmp_
     # the script form; --tear truncates a file of LATEST's checkpoint after the kill
     proc = subprocess.run(
         [sys.executable, "bench/faults.py", "--trials", "1", "--kill-window", "0.9,0.95", "--tear", "--dir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=230,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=230,
     )
     counts = _counts(proc.stdout)
     assert proc.returncode == 1, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"

@@ -103,19 +103,23 @@ checkpointer.Checkpointer.save = recording_save
 checkpointer.Checkpointer.load = recording_load
 writer.fault_hook = hook
 
+
 def train() -> int:
     event("start")
-    cfg = load_config(None, [
-        f"checkpoint.checkpoint_dir={ckpt_dir}",
-        "step_scheduler.num_epochs=2",
-        "step_scheduler.ckpt_every_steps=4",
-        "step_scheduler.val_every_steps=5",
-        "step_scheduler.preemption_signal=[USR1, TERM]",
-        # A cadence of 1, not auto: these tests place a signal at one phase of one step and check
-        # where the stop lands (auto would let a stop on these ~ms steps run several steps on).
-        "step_scheduler.agreement_every_steps=1",
-        *overrides,
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"checkpoint.checkpoint_dir={ckpt_dir}",
+            "step_scheduler.num_epochs=2",
+            "step_scheduler.ckpt_every_steps=4",
+            "step_scheduler.val_every_steps=5",
+            "step_scheduler.preemption_signal=[USR1, TERM]",
+            # A cadence of 1, not auto: these tests place a signal at one phase of one step and check
+            # where the stop lands (auto would let a stop on these ~ms steps run several steps on).
+            "step_scheduler.agreement_every_steps=1",
+            *overrides,
+        ],
+    )
     torch.manual_seed(0)
     pause("build")
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))

@@ -72,8 +72,7 @@ try:
             optimizer.zero_grad()
             lr_scheduler.step()
             loop.log(loss=loss.item())
-            row = {"step": step.global_step, "ids": ids, "loss": loss.item(),
-                   "lr_step": lr_scheduler.last_epoch, "lr": lr_scheduler.get_last_lr()[0]}
+            row = {"step": step.global_step, "ids": ids, "loss": loss.item(), "lr_step": lr_scheduler.last_epoch, "lr": lr_scheduler.get_last_lr()[0]}
             os.write(out, (json.dumps(row) + "\n").encode())
             ids = []
     print(f"rank {rank}: exit {int(loop.exit_code)}", flush=True)

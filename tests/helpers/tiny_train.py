@@ -40,11 +40,7 @@ def counting_save(self, *args, **kwargs):
 
 
 def hook(phase):
-    if (
-        phase == os.environ.get("FAIL_PHASE")
-        and rank == int(os.environ.get("FAIL_RANK", "0"))
-        and saves == int(os.environ.get("FAIL_AT_SAVE", "1"))
-    ):
+    if phase == os.environ.get("FAIL_PHASE") and rank == int(os.environ.get("FAIL_RANK", "0")) and saves == int(os.environ.get("FAIL_AT_SAVE", "1")):
         raise OSError(28, f"injected failure at {phase} on rank {rank}")
 
 

@@ -48,14 +48,17 @@ def main() -> int:
     ckpt_dir, events, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
     world, rank = ranks.join()
     os.makedirs(events, exist_ok=True)
-    cfg = load_config(None, [
-        f"checkpoint.checkpoint_dir={ckpt_dir}",
-        "step_scheduler.num_epochs=2",
-        "step_scheduler.ckpt_every_steps=100",
-        "step_scheduler.preemption_signal=[USR1, TERM]",
-        "step_scheduler.agreement_every_steps=1",
-        *overrides,
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"checkpoint.checkpoint_dir={ckpt_dir}",
+            "step_scheduler.num_epochs=2",
+            "step_scheduler.ckpt_every_steps=100",
+            "step_scheduler.preemption_signal=[USR1, TERM]",
+            "step_scheduler.agreement_every_steps=1",
+            *overrides,
+        ],
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -69,9 +72,14 @@ def main() -> int:
     else:
         Loader = DataLoader
     workers = int(os.environ.get("NUM_WORKERS", "2"))
-    loader = Loader(dataset, batch_size=8, sampler=sampler, num_workers=workers,
-                    persistent_workers=os.environ.get("PERSISTENT") == "1" and workers > 0,
-                    worker_init_fn=UserWorkerInit(events, rank))
+    loader = Loader(
+        dataset,
+        batch_size=8,
+        sampler=sampler,
+        num_workers=workers,
+        persistent_workers=os.environ.get("PERSISTENT") == "1" and workers > 0,
+        worker_init_fn=UserWorkerInit(events, rank),
+    )
     pause_at = int(os.environ.get("PAUSE_AT_STEP", "0"))
 
     loop = resilient_loop(cfg, model=net, optimizer=optimizer, dataloader=loader)

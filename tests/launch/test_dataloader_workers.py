@@ -75,9 +75,7 @@ CASES = [
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("loader,persistent,sig,target", CASES, ids=["-".join([c[0], "persistent" if c[1] else "transient", c[2], c[3]]) for c in CASES])
-def test_a_signal_to_the_process_group_with_dataloader_workers_saves_the_agreed_step_and_resumes_exactly(
-    tmp_path, reference, loader, persistent, sig, target
-):
+def test_a_signal_to_the_process_group_with_dataloader_workers_saves_the_agreed_step_and_resumes_exactly(tmp_path, reference, loader, persistent, sig, target):
     ckpt, events, pid_file = tmp_path / "ck", tmp_path / "events", tmp_path / "pids"
     proc = launch_run(ckpt, events, worker_env(loader, persistent, PAUSE_AT_STEP=str(PAUSE_STEP)), pid_file)
     try:

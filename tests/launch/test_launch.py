@@ -224,18 +224,18 @@ def test_launch_rejects_bad_arguments_by_name():
     [
         ({"env": {"SLURM_JOB_ID": ""}}, [0, 1], 2, 0, "127.0.0.1", None),
         (
-            {"node_rank": 1, "nnodes": 2, "master_addr": "127.0.0.2", "master_port": 29555,
-             "env": {"EXTRA": "x"}},
-            [2, 3], 4, 1, "127.0.0.2", 29555,
+            {"node_rank": 1, "nnodes": 2, "master_addr": "127.0.0.2", "master_port": 29555, "env": {"EXTRA": "x"}},
+            [2, 3],
+            4,
+            1,
+            "127.0.0.2",
+            29555,
         ),
-        ({"env": {"SLURM_JOB_ID": "1234", "SLURM_RESTART_COUNT": "2"}}, [0, 1], 2, 0,
-         "127.0.0.1", 32342),
+        ({"env": {"SLURM_JOB_ID": "1234", "SLURM_RESTART_COUNT": "2"}}, [0, 1], 2, 0, "127.0.0.1", 32342),
     ],
     ids=["single-node-free-port", "second-node", "slurm-derived-port"],
 )
-def test_each_rank_sees_its_rank_world_and_rendezvous_env(
-    tmp_path, kwargs, ranks, world, group_rank, addr, port
-):
+def test_each_rank_sees_its_rank_world_and_rendezvous_env(tmp_path, kwargs, ranks, world, group_rank, addr, port):
     worker = write_worker(tmp_path, ENV_WORKER)
     with launch([PY, worker, str(tmp_path), "a", "--b"], 2, **kwargs) as group:
         assert group.wait(timeout=20) == 0
@@ -299,9 +299,7 @@ def test_two_rank_gloo_all_reduce_exits_zero(tmp_path, cli):
 @pytest.mark.timeout(30)
 def test_module_mode_runs_the_module_and_passes_launcher_like_args_through(tmp_path, cli):
     write_worker(tmp_path, ENV_WORKER, name="rankmod.py")
-    rc, stderr = finish(
-        cli("--nproc-per-node", "2", "-m", "rankmod", str(tmp_path), "--nproc-per-node", "7")
-    )
+    rc, stderr = finish(cli("--nproc-per-node", "2", "-m", "rankmod", str(tmp_path), "--nproc-per-node", "7"))
     assert rc == 0, stderr
     for local in (0, 1):
         seen = json.loads((tmp_path / f"env{local}.json").read_text())
@@ -314,8 +312,7 @@ def test_module_mode_runs_the_module_and_passes_launcher_like_args_through(tmp_p
 def test_usr1_to_the_launcher_reaches_every_rank_and_their_code_is_the_exit_code(tmp_path, cli):
     worker = write_worker(tmp_path, USR1_WORKER)
     pid_file = tmp_path / "pids"
-    launcher = cli("--nproc-per-node", "2", worker, str(tmp_path), "exit75",
-                   env={"RESILIENCE_PID_FILE": str(pid_file)})
+    launcher = cli("--nproc-per-node", "2", worker, str(tmp_path), "exit75", env={"RESILIENCE_PID_FILE": str(pid_file)})
     wait_for([tmp_path / "ready0", tmp_path / "ready1", pid_file])
     os.kill(launcher.pid, signal.SIGUSR1)
     rc, stderr = finish(launcher)
@@ -324,9 +321,7 @@ def test_usr1_to_the_launcher_reaches_every_rank_and_their_code_is_the_exit_code
     assert "forwarded SIGUSR1 to ranks [0, 1]" in stderr
     pids = read_pid_file(pid_file)
     assert pids["launcher"] == launcher.pid
-    assert [pids["rank 0"], pids["rank 1"]] == [
-        int((tmp_path / f"ready{rank}").read_text()) for rank in (0, 1)
-    ]
+    assert [pids["rank 0"], pids["rank 1"]] == [int((tmp_path / f"ready{rank}").read_text()) for rank in (0, 1)]
     assert not any(is_alive(pid) for pid in pids.values())
 
 
@@ -337,8 +332,7 @@ def test_usr1_before_the_ranks_installed_handlers_is_held_not_fatal(tmp_path, cl
     launcher records the stop, holds the signal until each rank marks itself ready."""
     worker = write_worker(tmp_path, USR1_WORKER)
     pid_file = tmp_path / "pids"
-    launcher = cli("--nproc-per-node", "2", worker, str(tmp_path), "exit75",
-                   env={"RESILIENCE_PID_FILE": str(pid_file), "DELAY_HANDLER_S": "1.5"})
+    launcher = cli("--nproc-per-node", "2", worker, str(tmp_path), "exit75", env={"RESILIENCE_PID_FILE": str(pid_file), "DELAY_HANDLER_S": "1.5"})
     wait_for([pid_file])
     os.kill(launcher.pid, signal.SIGUSR1)
     rc, stderr = finish(launcher)
@@ -357,8 +351,7 @@ def test_a_stop_signal_to_the_whole_group_before_the_ranks_are_ready_exits_75_no
     (75, requeue), not a failure (143, which the templates never requeue)."""
     worker = write_worker(tmp_path, USR1_WORKER)
     pid_file = tmp_path / "pids"
-    launcher = cli("--nproc-per-node", "2", worker, str(tmp_path), "exit75",
-                   env={"RESILIENCE_PID_FILE": str(pid_file), "DELAY_HANDLER_S": "5"})
+    launcher = cli("--nproc-per-node", "2", worker, str(tmp_path), "exit75", env={"RESILIENCE_PID_FILE": str(pid_file), "DELAY_HANDLER_S": "5"})
     wait_for([pid_file])
     os.killpg(launcher.pid, signal.SIGUSR1)
     rc, stderr = finish(launcher)
@@ -384,9 +377,7 @@ def test_launcher_survives_usr1_and_waits_for_its_ranks(tmp_path, cli):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(
-    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP], ids=lambda s: s.name
-)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP], ids=lambda s: s.name)
 def test_other_signals_are_forwarded_and_death_by_signal_exits_128_plus_n(tmp_path, cli, sig):
     worker = write_worker(tmp_path, SLEEP_WORKER)
     launcher = cli("--nproc-per-node", "2", worker, str(tmp_path))
@@ -410,8 +401,12 @@ def test_ctrl_c_at_a_terminal_reaches_each_rank_once_not_forwarded_again(tmp_pat
     try:
         launcher = subprocess.Popen(
             [PY, "-m", "resilience", "run", "--nproc-per-node", "2", worker, str(tmp_path)],
-            stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True, preexec_fn=take_terminal,
+            stdin=slave,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=take_terminal,
         )
         try:
             wait_for([tmp_path / "ready0", tmp_path / "ready1"])
@@ -446,8 +441,7 @@ def test_crash_with_a_hung_rank_kills_it_after_failure_grace_and_exits_1(tmp_pat
     worker = write_worker(tmp_path, CRASH_HANG_WORKER)
     pid_file = tmp_path / "pids"
     started = time.monotonic()
-    launcher = cli("--nproc-per-node", "2", "--failure-grace", "0.5", "--kill-grace", "0.5",
-                   "--pid-file", str(pid_file), worker, str(tmp_path), mode)
+    launcher = cli("--nproc-per-node", "2", "--failure-grace", "0.5", "--kill-grace", "0.5", "--pid-file", str(pid_file), worker, str(tmp_path), mode)
     rc, stderr = finish(launcher)
     elapsed = time.monotonic() - started
     assert rc == 1, stderr
@@ -489,8 +483,15 @@ def test_a_stop_signal_the_ranks_do_not_handle_is_sent_as_one_they_do(tmp_path, 
     the ranks with USR1; it sends TERM, which they handle, and they stop cleanly (75)."""
     tiny = Path(__file__).resolve().parents[1] / "helpers" / "tiny_train.py"
     ckpt = tmp_path / "ck"
-    launcher = cli("--nproc-per-node", "2", str(tiny), str(ckpt), "step_scheduler.num_epochs=10",
-                   "step_scheduler.preemption_signal=TERM", env={"SLEEP_PER_STEP_S": "0.02", "OMP_NUM_THREADS": "1"})
+    launcher = cli(
+        "--nproc-per-node",
+        "2",
+        str(tiny),
+        str(ckpt),
+        "step_scheduler.num_epochs=10",
+        "step_scheduler.preemption_signal=TERM",
+        env={"SLEEP_PER_STEP_S": "0.02", "OMP_NUM_THREADS": "1"},
+    )
     log = ckpt / "training.jsonl"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 10):
@@ -536,6 +537,7 @@ def test_a_sigkilled_launchers_temp_dir_is_removed_by_the_next_start(tmp_path, c
     reused.mkdir()
     (reused / "launcher").write_text(f"{os.getpid()} 12345.0\n")
     import psutil
+
     live = tmp / "resilience-ranks-live"
     live.mkdir()
     (live / "launcher").write_text(f"{os.getpid()} {psutil.Process().create_time()!r}\n")
@@ -551,12 +553,15 @@ def test_a_sigkilled_launchers_temp_dir_is_removed_by_the_next_start(tmp_path, c
 def test_ranks_that_crash_leave_no_temp_dir(tmp_path, cli):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    worker = write_worker(tmp_path, """
+    worker = write_worker(
+        tmp_path,
+        """
         import os, signal, sys
         if os.environ["RANK"] == "1":
             os.kill(os.getpid(), signal.SIGKILL)
         sys.exit(1)
-    """)
+    """,
+    )
     proc = cli("-n", "2", worker, env={"TMPDIR": str(tmp)})
     assert proc.wait(timeout=30) == 1, proc.stderr.read()
     assert _ready_dirs(tmp) == []

@@ -100,7 +100,11 @@ def test_scancel_batch_usr1_reaches_the_batch_shell_trap(slurm_cluster: SlurmClu
     # The job also asks for the time-limit warning as real jobs do; with --time=5 it would come
     # only after ~4 minutes, so the USR1 seen here is scancel's.
     job = slurm_cluster.sbatch(
-        script, "--time=5", "--signal=B:USR1@10", "-o", str(tmp_path / "out"),
+        script,
+        "--time=5",
+        "--signal=B:USR1@10",
+        "-o",
+        str(tmp_path / "out"),
         script_args=[str(tmp_path)],
     )
     slurm_cluster.wait_state(job, "RUNNING", timeout=20)
@@ -120,14 +124,10 @@ def test_scancel_batch_usr1_reaches_the_batch_shell_trap(slurm_cluster: SlurmClu
 
 
 @pytest.mark.timeout(120)
-def test_self_requeue_restarts_job_with_restart_count_and_appended_output(
-    slurm_cluster: SlurmCluster, tmp_path
-):
+def test_self_requeue_restarts_job_with_restart_count_and_appended_output(slurm_cluster: SlurmCluster, tmp_path):
     script = _write_script(tmp_path, "requeue.sh", REQUEUE_SCRIPT)
     out = tmp_path / "out"
-    job = slurm_cluster.sbatch(
-        script, "--requeue", "--open-mode=append", "-o", str(out), script_args=[str(tmp_path)]
-    )
+    job = slurm_cluster.sbatch(script, "--requeue", "--open-mode=append", "-o", str(out), script_args=[str(tmp_path)])
     # cred_expire=5 makes the requeued job eligible after ~6 s instead of ~121 s.
     info = slurm_cluster.wait_state(job, "COMPLETED", timeout=45)
 
@@ -154,23 +154,27 @@ def test_sacct_on_path_reports_finished_job_without_slurmdbd(slurm_cluster: Slur
 
 
 @pytest.mark.timeout(120)
-def test_high_partition_job_preempts_debug_job_with_its_own_signal(
-    slurm_cluster: SlurmCluster, tmp_path
-):
+def test_high_partition_job_preempts_debug_job_with_its_own_signal(slurm_cluster: SlurmCluster, tmp_path):
     script = _write_script(tmp_path, "trap.sh", TRAP_SCRIPT)
     short = _write_script(tmp_path, "short.sh", "#!/bin/bash\nsleep 1\n")
     # Both jobs take all 8 advertised CPUs, so the high job can only run by preempting.
     low = slurm_cluster.sbatch(
-        script, "-p", "debug", "-c", "8", "--time=5", "--signal=B:USR1@10",
-        "-o", str(tmp_path / "low.out"), script_args=[str(tmp_path)],
+        script,
+        "-p",
+        "debug",
+        "-c",
+        "8",
+        "--time=5",
+        "--signal=B:USR1@10",
+        "-o",
+        str(tmp_path / "low.out"),
+        script_args=[str(tmp_path)],
     )
     try:
         slurm_cluster.wait_state(low, "RUNNING", timeout=20)
         _wait_file(tmp_path / "ready", 20)
         submitted = time.time()
-        high = slurm_cluster.sbatch(
-            short, "-p", "high", "-c", "8", "-o", str(tmp_path / "high.out")
-        )
+        high = slurm_cluster.sbatch(short, "-p", "high", "-c", "8", "-o", str(tmp_path / "high.out"))
         _wait_file(tmp_path / "trap", 10)
         first = (tmp_path / "trap").read_text().splitlines()[0]
         assert first.startswith("usr1 "), first
@@ -181,9 +185,7 @@ def test_high_partition_job_preempts_debug_job_with_its_own_signal(
 
 
 @pytest.mark.timeout(120)
-def test_two_node_job_runs_one_task_per_node_on_two_live_slurmds(
-    slurm_cluster_2nodes: SlurmCluster, tmp_path
-):
+def test_two_node_job_runs_one_task_per_node_on_two_live_slurmds(slurm_cluster_2nodes: SlurmCluster, tmp_path):
     c = slurm_cluster_2nodes
     assert c.nodes == ["n1", "n2"]
     script = _write_script(

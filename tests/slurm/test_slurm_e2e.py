@@ -117,13 +117,16 @@ def render(directory: Path, *overrides: str, output: str = "out-%j.txt", python:
     python = python or nice_python(directory)
     code = cli.main(
         [
-            "template", "slurm", str(DIGITS_YAML),
+            "template",
+            "slurm",
+            str(DIGITS_YAML),
             f"slurm.python={python}",
             f"slurm.script={TRAIN}",
             f"slurm.output={directory / output}",
             f"checkpoint.checkpoint_dir={directory / 'ck'}",
             *overrides,
-            "-o", str(path),
+            "-o",
+            str(path),
         ]
     )
     assert code == 0
@@ -202,7 +205,9 @@ def _reference(c: Campaign, name: str, epochs: int) -> Path:
     )
     proc = subprocess.run(
         ["nice", "-n", str(NICE), sys.executable, "-c", code, str(TRAIN.parent), str(ref), f"step_scheduler.num_epochs={epochs}"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return ref
@@ -358,9 +363,7 @@ def scenario_id_gap(c: Campaign) -> None:
 
 # The two-node jobs run in partition high, which nothing preempts (see scenario_preempt).
 def scenario_mn_scancel(c: Campaign) -> Job:
-    job = c.submit2(
-        "mn_scancel", f"step_scheduler.num_epochs={E_SHORT}", "slurm.nodes=2", "slurm.nproc_per_node=1", "slurm.partition=high"
-    )
+    job = c.submit2("mn_scancel", f"step_scheduler.num_epochs={E_SHORT}", "slurm.nodes=2", "slurm.nproc_per_node=1", "slurm.partition=high")
     job.wait_log(r"^resilience: trap installed", 60)
     job.signalled_at_step = job.wait_steps(FIRST_SIGNAL_STEPS, 90)
     job.scancel_usr1()
@@ -397,9 +400,7 @@ def scenario_preempt(c: Campaign) -> Job:
     )
     job.wait_log(r"^resilience: trap installed", 60)
     job.signalled_at_step = job.wait_steps(FIRST_SIGNAL_STEPS, 90)
-    job.preemptor = job.cluster.sbatch(
-        "--wrap=sleep 1", "-p", "high", "-w", "n1", "-c", "4", "-o", str(job.dir / "high.out"), cwd=job.dir
-    )
+    job.preemptor = job.cluster.sbatch("--wrap=sleep 1", "-p", "high", "-w", "n1", "-c", "4", "-o", str(job.dir / "high.out"), cwd=job.dir)
     c.track(job.cluster, job.preemptor)
     job.wait_end(timeout=150)
     job.preemptor_info = job.cluster.wait_state(job.preemptor, "COMPLETED", timeout=30)
@@ -512,8 +513,10 @@ def test_time_limit_warning_stops_both_ranks_at_one_step_requeues_and_resumes_ex
         assert sorted(steps) == [0, 1] and steps[0] == steps[1], log
     stops = [saved_steps(part)[0] for part in interrupted]
     first = float(re.search(r"received at ([\d.]+)", parts[0]).group(1))
-    print(f"\ntime-limit warning {first - job.limit_cut_at:.1f} s after the limit was cut; ranks paused at "
-          f"step {job.paused_at_step}, saved step {stops[0]}" + " (paused until it came)")
+    print(
+        f"\ntime-limit warning {first - job.limit_cut_at:.1f} s after the limit was cut; ranks paused at "
+        f"step {job.paused_at_step}, saved step {stops[0]}" + " (paused until it came)"
+    )
     assert len(interrupted) == 1 and int(job.info["Restarts"]) == 1, log
     assert re.search(r"^resilience: SIGUSR1 \(received at [\d.]+\) forwarded to resilience run", parts[0], re.M), log
     assert stops[0] >= job.paused_at_step >= FIRST_SIGNAL_STEPS  # the warning came while the ranks trained

@@ -151,7 +151,11 @@ def test_signal_during_training_saves_that_step_then_requeues_and_resumes_exactl
     overrides = ["step_scheduler.num_epochs=40", "step_scheduler.ckpt_every_steps=null"]
     reference = _start_reference(ref, overrides)
     job = submitit_launch.submit(
-        tmp_path / "submitit", ck, cluster="local", timeout_min=10, overrides=overrides,
+        tmp_path / "submitit",
+        ck,
+        cluster="local",
+        timeout_min=10,
+        overrides=overrides,
         fn=functools.partial(digits_with_pid, str(markers)),
     )
     try:
@@ -180,7 +184,11 @@ def test_signal_before_the_loop_is_requeued_by_submitit_at_once(tmp_path, local_
     ck, markers = tmp_path / "ck", tmp_path / "markers"
     markers.mkdir()
     job = submitit_launch.submit(
-        tmp_path / "submitit", ck, cluster="local", timeout_min=10, overrides=["step_scheduler.num_epochs=2"],
+        tmp_path / "submitit",
+        ck,
+        cluster="local",
+        timeout_min=10,
+        overrides=["step_scheduler.num_epochs=2"],
         fn=functools.partial(pause_first_attempt_then_digits, str(markers)),
     )
     try:
@@ -209,8 +217,7 @@ def _seconds_per_step() -> float:
 
     def timed(epochs: int) -> float:
         t0 = time.perf_counter()
-        assert main(["--config", str(CONFIG), "checkpoint.enabled=false", "step_scheduler.preemption_signal=null",
-                     f"step_scheduler.num_epochs={epochs}"]) == 0
+        assert main(["--config", str(CONFIG), "checkpoint.enabled=false", "step_scheduler.preemption_signal=null", f"step_scheduler.num_epochs={epochs}"]) == 0
         return time.perf_counter() - t0
 
     timed(2)  # warm-up
@@ -232,10 +239,9 @@ def test_slurm_time_limit_signal_saves_requeues_and_resumes_exactly(slurm_cluste
     ck, ref = tmp_path / "ck", tmp_path / "ref"
     t0 = time.monotonic()
     reference = _start_reference(ref, overrides)
-    job = submitit_launch.submit(
-        tmp_path / "submitit" / "%j", ck, timeout_min=1, signal_delay_s=50, max_num_timeout=3, overrides=overrides
-    )
+    job = submitit_launch.submit(tmp_path / "submitit" / "%j", ck, timeout_min=1, signal_delay_s=50, max_num_timeout=3, overrides=overrides)
     try:
+
         def requeued() -> bool:
             return job.done() or int(slurm_cluster.job_info(job.job_id).get("Restarts") or 0) >= 1
 
@@ -265,5 +271,4 @@ def test_slurm_time_limit_signal_saves_requeues_and_resumes_exactly(slurm_cluste
     assert log.count("Job completed successfully") == 1
     result = compare(ck, ref)
     assert result.identical, result.detail
-    print(f"\nsubmitit on Slurm: {epochs} epochs, saved step {saved[0]}, requeued after {t_requeued:.1f} s, "
-          f"{elapsed:.1f} s in all")
+    print(f"\nsubmitit on Slurm: {epochs} epochs, saved step {saved[0]}, requeued after {t_requeued:.1f} s, {elapsed:.1f} s in all")

@@ -105,8 +105,9 @@ def test_a_stateful_loader_whose_order_cannot_be_replayed_refuses_a_batch_change
             step_state, position, {"global_batch_size": 4}, 6, loader=BatchCountingLoader(), checkpoint="epoch_1_step_15", configured=False
         )
     # the same global batch: resumed by its own state, as saved
-    assert continue_with_batch_size(step_state, position, {"global_batch_size": 6}, 6, loader=BatchCountingLoader(),
-                                    checkpoint="epoch_1_step_15", configured=False) == (step_state, position)
+    assert continue_with_batch_size(
+        step_state, position, {"global_batch_size": 6}, 6, loader=BatchCountingLoader(), checkpoint="epoch_1_step_15", configured=False
+    ) == (step_state, position)
 
 
 @pytest.mark.multiproc
@@ -130,5 +131,9 @@ def test_a_configured_global_batch_that_the_loaders_do_not_give_is_a_config_erro
     """global_batch_size must be the loaders' batch sizes summed over the ranks x accumulation: any
     other value would make the sample arithmetic of a later resume wrong."""
     assert run(tmp_path / "ck", tmp_path / "a.rec", batch=4, overrides=["step_scheduler.global_batch_size=6"]) == [ExitCode.CONFIG_ERROR]
-    assert run(tmp_path / "ck2", tmp_path / "b.rec", batch=4, overrides=[
-        "step_scheduler.global_batch_size=8", "step_scheduler.gradient_accumulation_steps=2", "step_scheduler.max_steps=1"]) == [ExitCode.DONE]
+    assert run(
+        tmp_path / "ck2",
+        tmp_path / "b.rec",
+        batch=4,
+        overrides=["step_scheduler.global_batch_size=8", "step_scheduler.gradient_accumulation_steps=2", "step_scheduler.max_steps=1"],
+    ) == [ExitCode.DONE]

@@ -16,16 +16,14 @@ from runs import compare, latest_name, run
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata's set_vital deprecation
 
 # 2 ranks x 16 samples: 44 micro-batches per epoch and rank; 3 per step: 14 steps of 3 and one of 2.
-ACCUMULATED = ["step_scheduler.num_epochs=2", "step_scheduler.gradient_accumulation_steps=3",
-               "data.global_batch_size=32", "step_scheduler.ckpt_every_steps=20"]
+ACCUMULATED = ["step_scheduler.num_epochs=2", "step_scheduler.gradient_accumulation_steps=3", "data.global_batch_size=32", "step_scheduler.ckpt_every_steps=20"]
 
 
 @pytest.mark.timeout(60)
 def test_micro_batches_group_into_optimizer_steps_and_an_epoch_tail_is_a_short_step(tmp_path):
     model = torch.nn.Linear(2, 1)
     batches = [torch.full((1, 2), float(i)) for i in range(7)]
-    config = {"step_scheduler": {"num_epochs": 2, "gradient_accumulation_steps": 3, "preemption_signal": None},
-              "checkpoint": {"checkpoint_dir": str(tmp_path)}}
+    config = {"step_scheduler": {"num_epochs": 2, "gradient_accumulation_steps": 3, "preemption_signal": None}, "checkpoint": {"checkpoint_dir": str(tmp_path)}}
     loop = resilient_loop(config, model=model, dataloader=batches)
     seen = []
     with loop:

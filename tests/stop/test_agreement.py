@@ -91,8 +91,7 @@ def _agree_now_scenario(rank):
     from resilience.stop.agreement import StopAgreement
 
     with StopAgreement() as agreement:
-        return [agreement.agree_now(3 if rank == 1 else 0), agreement.agree_now(True if rank == 0 else 2),
-                agreement.agree_now(False)]
+        return [agreement.agree_now(3 if rank == 1 else 0), agreement.agree_now(True if rank == 0 else 2), agreement.agree_now(False)]
 
 
 def _cadence_mismatch_scenario(rank):
@@ -136,8 +135,12 @@ def _measure(rank):
             result = agreement.update(step, 0)
             spent.append(time.perf_counter() - t0)
             assert result == 0
-        return {"mean_ms": 1e3 * sum(spent) / steps, "median_ms": 1e3 * statistics.median(spent),
-                "p99_ms": 1e3 * sorted(spent)[int(0.99 * steps) - 1], "steps": steps}
+        return {
+            "mean_ms": 1e3 * sum(spent) / steps,
+            "median_ms": 1e3 * statistics.median(spent),
+            "p99_ms": 1e3 * sorted(spent)[int(0.99 * steps) - 1],
+            "steps": steps,
+        }
 
     out = {}
     with StopAgreement(every_steps=1) as agreement:
@@ -160,9 +163,7 @@ def _measure(rank):
 def worker(rank: int, port: int, out_path: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=20)
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=20))
     report = {"cases": {}}
     for name, (every, flags, steps, _, _, explicit) in CASES.items():
         report["cases"][name] = _run_case(rank, every, {int(r): v for r, v in flags.items()}, steps, explicit)
@@ -185,11 +186,15 @@ def ranks(tmp_path_factory):
     from resilience.launch import resolve_master_port  # here: the worker mode imports only what it runs
 
     port = resolve_master_port(None, {})  # a port free on this machine now
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs = [
-        subprocess.Popen([sys.executable, __file__, "worker", str(r), str(port), str(tmp / f"rank{r}.json")],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, __file__, "worker", str(r), str(port), str(tmp / f"rank{r}.json")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(WORLD)
     ]
     logs = []
@@ -223,7 +228,7 @@ def test_every_rank_stops_at_the_same_step_within_bound(ranks, name):
         assert all(code == 0 for res in per_rank for code in res)
         return
     for res in per_rank:
-        assert res[expected_step - 1:] == [expected_code] * (steps - expected_step + 1)  # final once agreed
+        assert res[expected_step - 1 :] == [expected_code] * (steps - expected_step + 1)  # final once agreed
         assert not any(res[: expected_step - 1])
     first_flag = min(t for t, _ in flags.values())
     assert first_flag + every <= expected_step <= first_flag + 2 * every - 1  # the documented bound

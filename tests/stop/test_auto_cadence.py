@@ -28,8 +28,14 @@ def _rows(ckpt: Path) -> list[dict]:
 @pytest.mark.timeout(120)
 def test_auto_cadence_adapts_and_a_signal_to_one_rank_stops_both(tmp_path, capfd):
     ckpt = tmp_path / "ck"
-    cmd = [sys.executable, str(TINY), str(ckpt), "step_scheduler.num_epochs=10",
-           "step_scheduler.agreement_every_steps=auto", "step_scheduler.agreement_interval_s=0.05"]
+    cmd = [
+        sys.executable,
+        str(TINY),
+        str(ckpt),
+        "step_scheduler.num_epochs=10",
+        "step_scheduler.agreement_every_steps=auto",
+        "step_scheduler.agreement_interval_s=0.05",
+    ]
     env = {"OMP_NUM_THREADS": "1", "SLEEP_PER_STEP_S": "0.005"}  # ~6 ms steps: auto picks k of about 8
     with launch(cmd, 2, env=env, failure_grace_s=30.0) as group:
         deadline = time.monotonic() + 60

@@ -41,10 +41,7 @@ class TwoNodeRun:
         env = {"OMP_NUM_THREADS": "1", "PAUSE_AT": ",".join(pause_at)}
         port = resolve_master_port(None, {})  # a port free on this machine now
         self._stack = contextlib.ExitStack()
-        self.groups = [
-            self._stack.enter_context(launch(cmd, 1, nnodes=2, node_rank=r, master_port=port, env=env, kill_grace_s=2.0))
-            for r in (0, 1)
-        ]
+        self.groups = [self._stack.enter_context(launch(cmd, 1, nnodes=2, node_rank=r, master_port=port, env=env, kill_grace_s=2.0)) for r in (0, 1)]
 
     def events(self, rank: int) -> list[str]:
         path = self.events_dir / f"rank_{rank}.events"

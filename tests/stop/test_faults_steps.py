@@ -65,8 +65,9 @@ def reference(tmp_path_factory) -> Path:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("rank,step,published", [(0, 8, [4]), (1, 8, [4]), (1, 10, [4, 8])],
-                         ids=["rank0-at-a-save-step", "rank1-at-a-save-step", "rank1-between-saves"])
+@pytest.mark.parametrize(
+    "rank,step,published", [(0, 8, [4]), (1, 8, [4]), (1, 10, [4, 8])], ids=["rank0-at-a-save-step", "rank1-at-a-save-step", "rank1-between-saves"]
+)
 def test_an_exception_mid_step_publishes_nothing_of_it_and_every_rank_exits_failed(tmp_path, capfd, reference, rank, step, published):
     ckpt = tmp_path / "ck"
     codes, spread = run_ranks(ckpt, env={"RAISE_AT_STEP": str(step), "RAISE_RANK": str(rank)})
@@ -109,14 +110,21 @@ def _run_case(script: str, rc: int, tmp_path: Path) -> tuple[int, str, list[str]
         (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "{calls}"\necho 4242\n')
         (bin_dir / tool).chmod(0o755)
     calls.unlink(missing_ok=True)
-    prelude = "\n".join([
-        'rs_reap() { :; }',
-        'rs_finish() { echo "finish $1: $2"; exit "$1"; }',
-        f"rs_rc={rc} rs_restart=0 rs_max_restarts=3 rs_id=4242 rs_args=()",
-        f"SLURM_JOB_ID=4242 RESILIENCE_RUN_ID=r RESILIENCE_STOP_FILE={tmp_path / 'stop'}",
-    ])
-    proc = subprocess.run(["bash", "-c", prelude + "\n" + match.group(0) + "\necho fell-through; exit 99"],
-                          capture_output=True, text=True, timeout=30, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    prelude = "\n".join(
+        [
+            "rs_reap() { :; }",
+            'rs_finish() { echo "finish $1: $2"; exit "$1"; }',
+            f"rs_rc={rc} rs_restart=0 rs_max_restarts=3 rs_id=4242 rs_args=()",
+            f"SLURM_JOB_ID=4242 RESILIENCE_RUN_ID=r RESILIENCE_STOP_FILE={tmp_path / 'stop'}",
+        ]
+    )
+    proc = subprocess.run(
+        ["bash", "-c", prelude + "\n" + match.group(0) + "\necho fell-through; exit 99"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+    )
     return proc.returncode, proc.stdout + proc.stderr, calls.read_text().splitlines() if calls.exists() else []
 
 

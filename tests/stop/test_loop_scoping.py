@@ -150,9 +150,7 @@ _CHILD = textwrap.dedent(
 def _run_child_and_sigterm(tmp_path: Path, spec: str) -> int:
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / "ck"), spec], stdout=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck"), spec], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGTERM)

@@ -92,8 +92,7 @@ def target_dtype(key: str, saved: str, original: str | None, cast: str | None) -
         return saved, None  # FP8, integers, bool: exported exactly as saved
     if original is not None and original not in ORDINARY_FLOATS:
         return saved, (
-            f"{key}: the original checkpoint stores it as {original} (packed or quantized) but it was "
-            f"saved as {saved}; exported as {saved}, not re-packed"
+            f"{key}: the original checkpoint stores it as {original} (packed or quantized) but it was saved as {saved}; exported as {saved}, not re-packed"
         )
     if cast is not None:
         return cast, None
@@ -223,8 +222,12 @@ def write_bundle(
                 done(index, _write_file(out_dir / hf_file_name(index, num_files), items, fetch, 1))
         else:
             jobs = {
-                index: (str(model_dir), str(out_dir / hf_file_name(index, num_files)),
-                        [(k, layout[k].get("source", k), layout[k]["shard"], targets[k]) for k in keys], num_threads)
+                index: (
+                    str(model_dir),
+                    str(out_dir / hf_file_name(index, num_files)),
+                    [(k, layout[k].get("source", k), layout[k]["shard"], targets[k]) for k in keys],
+                    num_threads,
+                )
                 for index, keys in by_file.items()
             }
             if nproc > 1 and len(jobs) > 1:
@@ -335,8 +338,16 @@ def consolidate(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         written = write_bundle(
-            tmp, layout, model_dir=model_dir, cast_dtype=cast_dtype, sidecar_dir=model_dir / HF_METADATA,
-            nproc=nproc, num_threads=num_threads, progress=progress, aliases=aliases, bundle_omits=omits,
+            tmp,
+            layout,
+            model_dir=model_dir,
+            cast_dtype=cast_dtype,
+            sidecar_dir=model_dir / HF_METADATA,
+            nproc=nproc,
+            num_threads=num_threads,
+            progress=progress,
+            aliases=aliases,
+            bundle_omits=omits,
         )
         for rel in written:
             fsync_file(tmp / rel)

@@ -23,6 +23,7 @@ from resilience.state import tagged_json
 
 def _to_cpu(tensors: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], str]:
     """The encoder's tensor function: keep a CPU copy under a new key ``t<N>``, return the key."""
+
     def keep(obj: torch.Tensor) -> str:
         key = f"t{len(tensors)}"
         tensor = obj.detach()
@@ -30,6 +31,7 @@ def _to_cpu(tensors: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], str]:
             tensor = tensor.cpu()
         tensors[key] = tensor.contiguous().clone()  # safetensors refuses shared or strided storage
         return key
+
     return keep
 
 

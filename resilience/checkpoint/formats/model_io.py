@@ -126,8 +126,9 @@ def save_model(
         return _save_dcp(staging, state, rank=rank, group=group)
     aliases = tied_aliases(model, state) if aliases is None else aliases
     state = {key: t for key, t in state.items() if key not in aliases}
-    return _save_sharded(staging, model, state, rank=rank, world_size=world_size, consolidated=consolidated, tokenizer=tokenizer,
-                         max_file_bytes=max_file_bytes, aliases=aliases)
+    return _save_sharded(
+        staging, model, state, rank=rank, world_size=world_size, consolidated=consolidated, tokenizer=tokenizer, max_file_bytes=max_file_bytes, aliases=aliases
+    )
 
 
 def tied_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -210,8 +211,14 @@ def _restore_aliases(model_dir: Path, tensors: dict[str, torch.Tensor], aliases:
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
+    return (
+        a.device == b.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
 # -- torch_save: DCP -------------------------------------------------------------------------------
@@ -220,8 +227,18 @@ def _save_dcp(staging: Path, state: dict[str, torch.Tensor], *, rank: int, group
 
 
 # -- safetensors: per-rank shards ------------------------------------------------------------------
-def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.Tensor], *, rank: int, world_size: int, consolidated: bool, tokenizer: Any,
-                  max_file_bytes: int, aliases: dict[str, str]) -> list[str | FileRecord]:
+def _save_sharded(
+    staging: Path,
+    model: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    *,
+    rank: int,
+    world_size: int,
+    consolidated: bool,
+    tokenizer: Any,
+    max_file_bytes: int,
+    aliases: dict[str, str],
+) -> list[str | FileRecord]:
     for key, value in state.items():
         if isinstance(value, DTensor):
             raise NotImplementedError(
@@ -274,8 +291,10 @@ def _save_sharded(staging: Path, model: torch.nn.Module, state: dict[str, torch.
     if consolidated:
         layout = sharded_model.read_layout(staging / MODEL_DIR)
         out = staging / MODEL_CONSOLIDATED
-        written += [f"{MODEL_CONSOLIDATED}/{rel}" for rel in consolidation.write_bundle(
-            out, layout, fetch=cpu, sidecar_dir=sidecars, aliases=aliases, bundle_omits=index["bundle_omits"])]
+        written += [
+            f"{MODEL_CONSOLIDATED}/{rel}"
+            for rel in consolidation.write_bundle(out, layout, fetch=cpu, sidecar_dir=sidecars, aliases=aliases, bundle_omits=index["bundle_omits"])
+        ]
     return written
 
 
@@ -322,5 +341,3 @@ def _file_plan(sizes: list[tuple[str, int]], originals: dict[str, dict[str, str]
             filled += n
     used = {index: i + 1 for i, index in enumerate(sorted(set(file_of.values())))}  # no empty files
     return {key: used[index] for key, index in file_of.items()}, max(len(used), 1)
-
-

@@ -57,8 +57,11 @@ def read_layout(model_dir: Path) -> dict[str, dict[str, Any]]:
         for key, info in header.items():
             if key != "__metadata__":
                 layout[key] = {
-                    "shard": shard.name, "file_index": int(file_index), "num_files": int(num_files),
-                    "dtype": ST_DTYPES.get(info["dtype"], info["dtype"]), "shape": info["shape"],
+                    "shard": shard.name,
+                    "file_index": int(file_index),
+                    "num_files": int(num_files),
+                    "dtype": ST_DTYPES.get(info["dtype"], info["dtype"]),
+                    "shape": info["shape"],
                     "original_dtype": originals.get(key),
                 }
     return layout

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # torch-free at run time
 
 log = logging.getLogger("resilience")
 
+
 def must_end(ctx: DistContext, root: Path, resumed_from: Path | None, limit: int | None, preemption_limit: int | None = None) -> bool:
     """The guard at a run's start, a collective over ``ctx``: rank 0 counts this start from
     ``resumed_from`` (``None``: a fresh start) and every rank learns whether the starts before it
@@ -51,7 +52,11 @@ def must_end(ctx: DistContext, root: Path, resumed_from: Path | None, limit: int
         return False
     log.error(
         "rank %d: start from %s: %s; exiting with %d (NO_PROGRESS, not requeued). Fix the cause, then delete %s to try again",
-        ctx.rank, resumed_from.name if resumed_from else "a fresh start", why, int(ExitCode.NO_PROGRESS), root / STARTS_FILE,
+        ctx.rank,
+        resumed_from.name if resumed_from else "a fresh start",
+        why,
+        int(ExitCode.NO_PROGRESS),
+        root / STARTS_FILE,
     )
     return True
 
@@ -110,12 +115,16 @@ def verdict(failed: int, preempted: int, limit: int | None, preemption_limit: in
     """Why a start after ``failed`` failed and ``preempted`` cleanly preempted starts from the same
     checkpoint must exit ``NO_PROGRESS``, or None when it may train (a limit of None is off)."""
     if limit is not None and failed >= limit:
-        return (f"the {failed} starts before it from the same checkpoint ended without a clean stop (an exception, "
-                f"a crash or a kill) and saved nothing new (checkpoint.max_restarts_without_progress: {limit})")
+        return (
+            f"the {failed} starts before it from the same checkpoint ended without a clean stop (an exception, "
+            f"a crash or a kill) and saved nothing new (checkpoint.max_restarts_without_progress: {limit})"
+        )
     if preemption_limit is not None and preempted >= preemption_limit:
-        return (f"the {preempted} starts before it from the same checkpoint were each preempted before they could "
-                f"save anything new (checkpoint.max_preemptions_without_progress: {preemption_limit}): a wall time "
-                "too short to reach a checkpoint, or a signal during start-up every time")
+        return (
+            f"the {preempted} starts before it from the same checkpoint were each preempted before they could "
+            f"save anything new (checkpoint.max_preemptions_without_progress: {preemption_limit}): a wall time "
+            "too short to reach a checkpoint, or a signal during start-up every time"
+        )
     return None
 
 

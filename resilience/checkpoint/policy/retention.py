@@ -101,9 +101,7 @@ def plan_prune(root: Path, keep: int, *, run_id: str | None = None, current: Pat
         mine = {path.name for path in lineage(root, current)}
         parsed = parse_checkpoint_name(current.name)
         step = parsed[1] if parsed else float("inf")
-        checkpoints = [p for p in checkpoints if p.name in mine] + [
-            p for p in checkpoints if p.name not in mine and parse_checkpoint_name(p.name)[1] <= step
-        ]
+        checkpoints = [p for p in checkpoints if p.name in mine] + [p for p in checkpoints if p.name not in mine and parse_checkpoint_name(p.name)[1] <= step]
     targets = protected_targets(root)
     victims = [path for path in checkpoints[keep:] if not _is_protected(path, targets)]
     return sorted(victims, key=lambda p: parse_checkpoint_name(p.name)[::-1])

@@ -142,7 +142,7 @@ class DurableFile(io.RawIOBase):
         self._digest.update(view)
         remaining = view
         while remaining:
-            remaining = remaining[os.write(self._fd, remaining):]
+            remaining = remaining[os.write(self._fd, remaining) :]
         self._size += len(view)
         return len(view)
 

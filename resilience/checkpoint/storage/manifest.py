@@ -86,8 +86,13 @@ def well_formed(rel: Any, want: Any) -> bool:
     """True for an entry ``rel: want`` that names a relative path inside the checkpoint and has an
     integer size and a known digest."""
     return (
-        isinstance(rel, str) and bool(rel) and not os.path.isabs(rel) and ".." not in Path(rel).parts
-        and isinstance(want, dict) and isinstance(want.get("size"), int) and entry_digest(want) is not None
+        isinstance(rel, str)
+        and bool(rel)
+        and not os.path.isabs(rel)
+        and ".." not in Path(rel).parts
+        and isinstance(want, dict)
+        and isinstance(want.get("size"), int)
+        and entry_digest(want) is not None
     )
 
 

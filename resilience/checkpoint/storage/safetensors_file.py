@@ -26,10 +26,24 @@ from resilience.checkpoint.storage.durable import DurableFile, FileRecord
 
 # safetensors header dtype codes -> torch dtype names (the names used in our JSON files).
 ST_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-    "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2", "C64": "complex64",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
+    "C64": "complex64",
 }
 # Codes only ever named (original dtypes of a Hugging Face checkpoint), never in our own files:
 # F4 packs two values per byte, so its bytes are not shape x element size.
@@ -135,8 +149,13 @@ def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None)
                 raise ValueError(f"{path}: {name} has inconsistent data_offsets {info['data_offsets']}")
             end = stop
             target = targets.get(name)
-            if not (isinstance(target, torch.Tensor) and target.device.type == "cpu" and target.is_contiguous()
-                    and target.dtype == dtype and list(target.shape) == shape):
+            if not (
+                isinstance(target, torch.Tensor)
+                and target.device.type == "cpu"
+                and target.is_contiguous()
+                and target.dtype == dtype
+                and list(target.shape) == shape
+            ):
                 target = torch.empty(shape, dtype=dtype)
             if nbytes:
                 view = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
