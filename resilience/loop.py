@@ -35,7 +35,7 @@ from resilience.exit_codes import ExitCode
 from resilience.metrics_log import truncate_logs
 from resilience.slurm.job import run_id_from_env, signal_reach_warning
 from resilience.state.accumulation import micro_batches
-from resilience.state.batch_size import BatchSizeChangeRefused, continue_with_batch_size, global_batch_size
+from resilience.state.batch_size import BatchSizeChangeRefused, global_batch_size
 from resilience.state.data_position import epoch_iterator, loader_length, set_epoch
 from resilience.state.step_scheduler import StepScheduler
 from resilience.state.worker_signals import shield_dataloader_workers
@@ -329,16 +329,6 @@ class ResilientLoop:
             self._truncate_logs(0)
             log.info("rank %d: loaded the weights of %s (no_load_optim); training starts at step 0", self.ctx.rank, directory)
             return None
-        restored.step_scheduler, restored.data_position = continue_with_batch_size(
-            restored.step_scheduler,
-            restored.data_position,
-            restored.meta,
-            self.checkpointer.global_batch_size,
-            loader=self.state.dataloader,
-            checkpoint=directory.name,
-            configured=self.config.step_scheduler.global_batch_size is not None,
-            accumulation=self.config.step_scheduler.gradient_accumulation_steps,
-        )
         self.scheduler.load_state_dict(restored.step_scheduler)
         self._truncate_logs(self.scheduler.global_step)
         log.info("rank %d: resumed from %s (global step %d)", self.ctx.rank, directory.name, self.scheduler.global_step)

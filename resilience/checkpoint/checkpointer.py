@@ -18,20 +18,18 @@ from typing import Any, Literal
 import torch
 
 from resilience.checkpoint.async_writer import AsyncWriter
-from resilience.checkpoint.layout import MANIFEST, checkpoint_name, parse_checkpoint_name
-from resilience.checkpoint.loading import Restored, load_state
+from resilience.checkpoint.layout import checkpoint_name
+from resilience.checkpoint.loading import Restored
 from resilience.checkpoint.parts import checkpoint_parts, epoch_of
 from resilience.checkpoint.policy import retention
-from resilience.checkpoint.policy.lineage import parent_ref
 from resilience.checkpoint.policy.lowest_val import LowestVal, json_safe, select_metric
 from resilience.checkpoint.policy.world_size import world_size_problem
-from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, find_resume_checkpoint, load_verified
+from resilience.checkpoint.resume import Resuming
 from resilience.checkpoint.staging import StagingBuffers
-from resilience.checkpoint.writer import Part, failure, phase, publish, raise_publish_verdict, remove_leftovers, write_checkpoint
+from resilience.checkpoint.writer import Part, failure, phase, publish, raise_publish_verdict, write_checkpoint
 from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
 from resilience.state.batch_size import epoch_complete
-from resilience.state.rng import load_rng_state
 from resilience.state.step_scheduler import StepScheduler
 from resilience.state.training_state import TrainingState
 from resilience.timing import RunTimer
@@ -44,7 +42,7 @@ SaveReason = Literal["periodic", "preemption", "final"]
 """Why a checkpoint is saved; recorded as ``meta.reason`` in its manifest."""
 
 
-class Checkpointer:
+class Checkpointer(Resuming):
     """Saves and restores :class:`TrainingState` under ``config.checkpoint_dir``.
 
     Every method is a collective over ``ctx`` (call it on every rank). A save publishes
@@ -98,6 +96,7 @@ class Checkpointer:
         self.validation: dict[int, dict[str, Any]] = {}
         """Rank 0: validation metrics by global step, waiting for that step's checkpoint."""
         self.parent: dict[str, Any] | None = None
+        self._chosen_manifest: tuple[Path | None, dict[str, Any] | None] = (None, None)
         """The checkpoint the next save continues (``{"name", "checkpoint_id"}``): the one resumed
         from, then the previous save; ``None`` at step 0 (see :mod:`resilience.checkpoint.policy.lineage`)."""
         self._async: AsyncWriter | None = None
@@ -286,110 +285,6 @@ class Checkpointer:
             training_rows=self.training_rows,
             validation=self.validation,
         )
-
-    # -- resume -------------------------------------------------------------------------------
-    def restore(self) -> Restored | None:
-        """Find the checkpoint to resume from and load it into the registered state (:meth:`find_resume_point`
-        then :meth:`load`); ``None`` for a fresh start. A collective.
-
-        A checkpoint whose bytes turn out corrupt while loading is marked bad and the newest older
-        valid one is loaded instead (it overwrites everything the bad one had loaded).
-
-        Raises:
-            CheckpointNotFound: ``restore_from`` or ``load_path`` names a missing, incomplete or
-                corrupt checkpoint.
-            CheckpointCorrupted: every checkpoint tried was corrupt; the model and optimizer were
-                partly overwritten, so the run must not go on: started again, it trains from scratch.
-        """
-        corrupt: CheckpointCorrupted | None = None
-        while (directory := self.find_resume_point()) is not None:
-            try:
-                return self.load(directory, self.state)
-            except CheckpointCorrupted as exc:
-                if self.resume_source in ("restore_from", "load_path"):
-                    raise CheckpointNotFound(f"checkpoint.{self.resume_source}: {exc}") from exc
-                if self.ctx.rank == 0:
-                    log.warning("skipping invalid checkpoint: %s (marked bad)", exc)
-                corrupt = exc
-        if corrupt is not None:
-            raise CheckpointCorrupted(
-                f"{corrupt}; no older valid checkpoint to fall back to, and the model and optimizer were partly "
-                "overwritten while loading it: run again to start from scratch (the corrupt checkpoint is marked bad)"
-            )
-        return None
-
-    def find_resume_point(self) -> Path | None:
-        """The directory to resume from (``restore_from`` or ``LATEST`` with fallback), or ``None``.
-
-        Checks manifests and file sizes; the bytes are checked while :meth:`load` reads them.
-        Also removes staging directories left by a crashed save. Raises ``CheckpointNotFound``
-        when ``restore_from`` names a missing or invalid checkpoint.
-        """
-        if not self.config.enabled:
-            return None
-        if self.ctx.rank == 0:
-            remove_leftovers(self.root)
-        self.resume_source = None
-        if self.config.restore_from is not None:
-            found, source = find_resume_checkpoint(self.ctx, self.root, self.config.restore_from, checksums=False), "restore_from"
-        else:
-            found = find_resume_checkpoint(self.ctx, self.root, None, checksums=False) if self.config.resume else None
-            source = "latest"
-            # MindSpore's load_path: only while checkpoint_dir has nothing of its own, so a
-            # requeued run continues from its own LATEST instead of loading load_path again.
-            if found is None and self.config.load_path is not None:
-                found, source = self._find_load_path(), "load_path"
-        self.resume_source = source if found is not None else None
-        return found
-
-    def _find_load_path(self) -> Path:
-        """``load_path`` as a checkpoint directory, or as a root whose ``LATEST`` (with fallback) is followed."""
-        path = Path(self.config.load_path).absolute()
-        if (path / MANIFEST).exists() or parse_checkpoint_name(path.name):
-            return find_resume_checkpoint(self.ctx, self.root, str(path), key="checkpoint.load_path", checksums=False)
-        found = find_resume_checkpoint(self.ctx, path, None, checksums=False)
-        if found is None:
-            raise CheckpointNotFound(
-                f"checkpoint.load_path={self.config.load_path!r}: no valid checkpoint there (neither a checkpoint "
-                "directory nor a root holding LATEST or epoch_<E>_step_<S> checkpoints)"
-            )
-        return found
-
-    def load(self, directory: Path, state: TrainingState) -> Restored:
-        """Restore model, optimizer, LR scheduler and extra state from ``directory`` in place.
-
-        With ``no_load_optim`` and a checkpoint named by ``load_path`` or ``restore_from``, only the
-        weights are loaded (MindSpore Transformers); a resume from this run's own ``LATEST`` is
-        always complete. A checkpoint saved with ``no_save_optim`` resumes with a fresh optimizer
-        (and a warning). Either way an optimizer's ``reload_main_params_from_model()``, where it
-        has one, rebuilds its FP32 master copy from the loaded weights.
-
-        Every byte is checked against the manifest while it is read (:func:`load_verified`).
-
-        Raises:
-            ValueError: the checkpoint was written with a different world size.
-            CheckpointCorrupted: its bytes differ from the manifest (it is marked bad; what was
-                loaded must not be used: :meth:`restore` falls back to an older checkpoint).
-        """
-        return load_verified(self.ctx, directory, lambda: self._load(directory, state))
-
-    def _load(self, directory: Path, state: TrainingState) -> Restored:
-        weights_only = self.config.no_load_optim and self.resume_source in ("load_path", "restore_from")
-        restored = load_state(directory, state, self.ctx, self.config, weights_only=weights_only)
-        if not weights_only:
-            if self.ctx.rank == 0 and self.resume_source != "load_path":
-                self.lowest_val.reload()  # the best so far survives the restart
-            self.last_saved_step, self.last_saved_reason = restored.meta["global_step"], restored.meta.get("reason")
-            self.parent = parent_ref(directory, restored.meta, self.root)
-            if self.resume_source != "load_path":
-                self._resumed_run_id = restored.meta.get("run_id")
-        return restored
-
-    @staticmethod
-    def restore_rng(restored: Restored) -> None:
-        """Apply this rank's saved RNG state."""
-        if restored.rng_file is not None:
-            load_rng_state(restored.rng_file)
 
 
 def _root_problem(root: Path, *, saving: bool) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from resilience.checkpoint.formats import model_io, optim_io
 from resilience.checkpoint.formats.extra_state import load_extra_state
-from resilience.checkpoint.layout import MANIFEST, STEP_SCHEDULER, dataloader_rank_file, rng_rank_file
+from resilience.checkpoint.layout import STEP_SCHEDULER, dataloader_rank_file, rng_rank_file
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.data_position import read_data_position
@@ -37,8 +37,8 @@ class Restored:
     """Only the model weights were loaded (``no_load_optim``): counters, data, RNG start fresh."""
 
 
-def load_state(directory: Path, state: TrainingState, ctx: DistContext, config: CheckpointConfig, *, weights_only: bool) -> Restored:
-    """Load the checkpoint in ``directory`` into ``state`` (a collective over ``ctx``).
+def load_state(directory: Path, manifest: dict[str, Any], state: TrainingState, ctx: DistContext, config: CheckpointConfig, *, weights_only: bool) -> Restored:
+    """Load the checkpoint in ``directory`` (its parsed ``manifest``) into ``state`` (a collective over ``ctx``).
 
     ``weights_only``: load the model weights and nothing else. A checkpoint saved without
     optimizer state leaves the optimizer fresh (with a warning). Either way an optimizer's
@@ -50,7 +50,6 @@ def load_state(directory: Path, state: TrainingState, ctx: DistContext, config: 
     Raises:
         ValueError: the checkpoint was written with a different world size.
     """
-    manifest = json.loads((directory / MANIFEST).read_text())
     meta = manifest["meta"]
     saved_world = int(meta["world_size"])
     resized = saved_world != ctx.world_size

@@ -62,7 +62,7 @@ def checkpoint_parts(
         tensors, skeleton = optim_io.capture_optimizer(state.model, state.optimizer)
         if buffers is not None:
             tensors = buffers.copy_in(tensors, prefix="optim.")
-        parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), {"rank": rank, "group": group}, collective=True))
+        parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), {"rank": rank, "group": group}, by="all ranks"))
     parts.append(_model_part(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers))  # every rank writes its shard
     if rank == 0:
         if state.lr_scheduler is not None:
@@ -71,14 +71,14 @@ def checkpoint_parts(
         parts.append(_json_part("config", CONFIG, yaml.safe_dump(run_config, sort_keys=False)))
         for key, obj in state.extra.items():
             extra = copy.deepcopy(obj.state_dict())
-            parts.append(Part(f"extra.{key}", save_extra_state, (key, extra)))
+            parts.append(Part(f"extra.{key}", save_extra_state, (key, extra), by="rank 0"))
         parts.append(_json_part("common", COMMON, json.dumps(_common(state, scheduler, global_batch_size))))
         parts.append(_json_part("losses", LOSSES, json.dumps(_losses(scheduler.global_step, training_rows, validation))))
     rng = capture_rng_state()
     parts.append(Part("rng", _write_rng, (rank, rng)))
     if state.dataloader is not None:
         position = data_position_json(state.dataloader, scheduler.batches_in_epoch)
-        parts.append(_json_part("dataloader", dataloader_rank_file(rank), position))
+        parts.append(_json_part("dataloader", dataloader_rank_file(rank), position, by="each rank"))
     if buffers is not None:
         buffers.synchronize()
     return parts
@@ -100,7 +100,7 @@ def _model_part(
         # reads the live weights); the background part only moves them into the checkpoint.
         held = root / f"{TRASH_PREFIX}adapter_{uuid.uuid4().hex[:8]}"  # cleaned up at start if left
         written = model_io.save_model(held, state.model, rank=ctx.rank, tokenizer=state.tokenizer) if ctx.rank == 0 else []
-        return Part("model", _move_in, (held, written))
+        return Part("model", _move_in, (held, written), by="rank 0")  # the other ranks move in nothing
     tensors = get_model_state_dict(state.model)
     # Tied keys are found on the live tensors (a snapshot's separate copies no longer share) and
     # are neither copied nor written: the tensor is stored once, the tie recorded.
@@ -122,7 +122,7 @@ def _model_part(
             "state_dict": tensors,
             "aliases": aliases,
         },
-        collective=fmt == "torch_save",
+        by="all ranks" if fmt == "torch_save" else "each rank",
     )
 
 
@@ -165,9 +165,9 @@ def _losses(step: int, training_rows: list[dict[str, Any]], validation: dict[int
     return json_safe(doc)
 
 
-def _json_part(name: str, rel: str, text: str) -> Part:
+def _json_part(name: str, rel: str, text: str, by: str = "rank 0") -> Part:
     """A part writing ``text`` (captured already) to ``rel``."""
-    return Part(name, _write_text, (rel, text))
+    return Part(name, _write_text, (rel, text), by=by)
 
 
 def _write_text(directory: Path, rel: str, text: str) -> list[str]:

@@ -2,11 +2,9 @@
 checking its bytes.
 
 Rank 0 follows ``LATEST`` (or ``restore_from``), checks the manifest and every file's size, and
-when the target is missing or incomplete falls back with a warning: first to its own ancestors
-(its lineage, :mod:`resilience.checkpoint.policy.lineage`), then to the other checkpoints no newer than
-it, newest step first. Without ``LATEST`` the most recently saved checkpoint leads (the
-one ``LATEST`` last named), not the highest step: after a rollback the abandoned timeline may
-hold higher steps. Every rank then loads the chosen directory while a background thread digests its share
+when the target is missing or incomplete falls back with a warning, in the order of
+:func:`~resilience.checkpoint.resume_choice.resume_candidates` (its lineage first, then older
+checkpoints); the manifest it parsed goes to every rank with the choice. Every rank then loads the chosen directory while a background thread digests its share
 of the files (:func:`load_verified`): reading every byte once for both, instead of a full
 checksum pass before the load, which read everything twice. A checkpoint whose bytes differ
 from its manifest is marked bad on every rank's behalf, so the next choice skips it.
@@ -14,6 +12,7 @@ from its manifest is marked bad on every rank's behalf, so the next choice skips
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -21,10 +20,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from resilience.checkpoint.balance import balance
-from resilience.checkpoint.layout import BAD_MARKER, LATEST, list_checkpoints, parse_checkpoint_name
-from resilience.checkpoint.policy.lineage import lineage, meta_of
-from resilience.checkpoint.storage.manifest import CheckpointInvalid, digest_problem, read_manifest, validate
-from resilience.checkpoint.storage.pointers import PointerError, read_pointer
+from resilience.checkpoint.layout import BAD_MARKER
+from resilience.checkpoint.resume_choice import choose
+from resilience.checkpoint.storage.manifest import CheckpointInvalid, digest_problem, validate
 from resilience.distributed import DistContext
 
 log = logging.getLogger("resilience.checkpoint")
@@ -50,71 +48,49 @@ def mark_bad(directory: Path, why: str) -> None:
         pass
 
 
-def _choose(root: Path, restore_from: str | None, key: str = "checkpoint.restore_from", checksums: bool = True) -> tuple[str | None, list[str]]:
-    """(directory to resume from or None, warnings). Runs on rank 0 only."""
-    warnings: list[str] = []
+def _choose(root: Path, restore_from: str | None, key: str, checksums: bool) -> tuple[str | None, dict[str, Any] | None, list[str]]:
+    """(directory to resume from or None, its manifest, warnings). Runs on rank 0 only; marks the
+    candidates found invalid as bad, so no later start checks them again."""
+    check = functools.partial(validate, checksums=checksums)
     if restore_from is not None:
         path = Path(restore_from)
         if not path.is_absolute() and not path.exists():
             path = root / restore_from
         try:
-            validate(path, checksums=checksums)
+            return str(path), check(path), []
         except CheckpointInvalid as exc:
             raise CheckpointNotFound(f"{key}={restore_from!r}: {exc}") from exc
-        return str(path), warnings
-
-    try:
-        latest = read_pointer(root, LATEST)
-    except PointerError as exc:
-        warnings.append(str(exc))
-        latest = None
-    candidates = resume_candidates(root, latest)
-
-    for path in candidates:
-        if (path / BAD_MARKER).exists():
-            warnings.append(f"skipping {path.name}: marked bad at an earlier start ({path / BAD_MARKER})")
-            continue
-        try:
-            validate(path, checksums=checksums)
-        except CheckpointInvalid as exc:
-            warnings.append(f"skipping invalid checkpoint: {exc}")
-            mark_bad(path, str(exc))
-            continue
+    choice = choose(root, check)
+    warnings = [choice.latest_problem] if choice.latest_problem else []
+    for skipped in choice.skipped:
+        if skipped.marked_bad:
+            warnings.append(f"skipping {skipped.path.name}: marked bad at an earlier start ({skipped.why})")
+        else:
+            warnings.append(f"skipping invalid checkpoint: {skipped.why}")
+            mark_bad(skipped.path, skipped.why)
+    if choice.chosen is not None:
         if warnings:
-            warnings.append(f"falling back to {path.name}")
-        return str(path), warnings
-    if candidates:
+            warnings.append(f"falling back to {choice.chosen.name}")
+        return str(choice.chosen), choice.manifest, warnings
+    if choice.candidates:
         warnings.append(f"no valid checkpoint under {root}: starting from scratch")
-    return None, warnings
-
-
-def resume_candidates(root: Path, latest: Path | None) -> list[Path]:
-    """Checkpoints to try, in order: ``LATEST`` (without it, the most recently saved checkpoint),
-    its lineage, then the other checkpoints (no newer than ``LATEST`` when there is one), newest
-    step first. Read-only."""
-    listed = list_checkpoints(root)  # newest step first
-    parsed = parse_checkpoint_name(latest.name) if latest is not None else None
-    if latest is None:
-        # max() keeps the first of equals: checkpoints without saved_at fall back to the highest step
-        head = max(listed, key=_saved_at) if listed else None
-    else:
-        head = latest
-        listed = [path for path in listed if parsed is None or parse_checkpoint_name(path.name)[1] <= parsed[1]]
-    if head is None:
-        return []
-    candidates = lineage(root, head) if head.is_dir() else [head]
-    return candidates + [path for path in listed if path not in candidates]
-
-
-def _saved_at(directory: Path) -> float:
-    value = meta_of(directory).get("saved_at")
-    return float(value) if isinstance(value, (int, float)) else 0.0
+    return None, None, warnings
 
 
 def find_resume_checkpoint(
     ctx: DistContext, root: Path, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True
 ) -> Path | None:
-    """The checkpoint every rank should resume from, or ``None`` for a fresh start (collective).
+    """The checkpoint every rank should resume from, or ``None`` for a fresh start (collective);
+    :func:`find_resume_point` without the manifest."""
+    return find_resume_point(ctx, root, restore_from, key=key, checksums=checksums)[0]
+
+
+def find_resume_point(
+    ctx: DistContext, root: Path, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True
+) -> tuple[Path | None, dict[str, Any] | None]:
+    """(the checkpoint every rank should resume from, its manifest), or ``(None, None)`` for a fresh
+    start (collective). Rank 0 chooses (:func:`~resilience.checkpoint.resume_choice.choose`) and
+    parses the manifest once; every rank receives both.
 
     ``checksums=False`` checks sizes only (one ``stat`` per file): for a caller that loads the
     choice with :func:`load_verified`, which checks the bytes while they are read.
@@ -123,25 +99,25 @@ def find_resume_checkpoint(
         CheckpointNotFound: on every rank, when ``restore_from`` is given but missing or invalid
             (the message names it as ``key``, e.g. ``checkpoint.load_path``).
     """
-    result: tuple[str | None, list[str], str | None] = (None, [], None)
+    result: tuple[str | None, dict[str, Any] | None, list[str], str | None] = (None, None, [], None)
     if ctx.rank == 0:
         try:
-            chosen, warnings = _choose(root, restore_from, key, checksums)
-            result = (chosen, warnings, None)
+            chosen, manifest, warnings = _choose(root, restore_from, key, checksums)
+            result = (chosen, manifest, warnings, None)
         except CheckpointNotFound as exc:
-            result = (None, [], str(exc))
-    chosen, warnings, error = ctx.broadcast_object(result)
+            result = (None, None, [], str(exc))
+    chosen, manifest, warnings, error = ctx.broadcast_object(result)
     if error:
         raise CheckpointNotFound(error)
     if ctx.rank == 0:
         for line in warnings:
             log.warning(line)
-    return Path(chosen) if chosen else None
+    return (Path(chosen), manifest) if chosen else (None, None)
 
 
-def load_verified(ctx: DistContext, directory: Path, load: Callable[[], T]) -> T:
+def load_verified(ctx: DistContext, directory: Path, manifest: dict[str, Any], load: Callable[[], T]) -> T:
     """``load()`` (which reads ``directory``) while this rank digests its share of the checkpoint's
-    files in a background thread; a collective over ``ctx``.
+    files, listed in its parsed ``manifest``, in a background thread; a collective over ``ctx``.
 
     The shares are balanced by size, so every file is checked once across the ranks, and each
     rank's check overlaps its own load (files read by both come from disk once). Returns what
@@ -152,8 +128,8 @@ def load_verified(ctx: DistContext, directory: Path, load: Callable[[], T]) -> T
             ``load`` failed on a file that did (``directory`` is then marked bad).
         Exception: ``load``'s own error when the bytes were intact (a peer's, as RuntimeError).
     """
-    doc = read_manifest(directory)
-    check = _ContentCheck(directory, doc["files"], _share(doc["files"], ctx.rank, ctx.world_size))
+    files = manifest["files"]
+    check = _ContentCheck(directory, files, _share(files, ctx.rank, ctx.world_size))
     check.start()
     error: BaseException | None = None
     result = None

@@ -27,7 +27,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from resilience.checkpoint.layout import LATEST, STAGING_PREFIX, TRASH_PREFIX
 from resilience.checkpoint.policy.lineage import describe, is_checkpoint_named, set_aside
@@ -58,14 +58,21 @@ class Part:
     (fsync'd and digested afterwards by reading it back) or a :class:`FileRecord` of a file
     already fsync'd and digested while it was written.
 
-    ``collective`` parts (DCP) must run on every rank in the same order.
+    ``by`` says who writes it: ``"each rank"`` (its own files: model shard, RNG, data
+    position), ``"rank 0"`` (the run's records, built on rank 0 only) or ``"all ranks"`` (one
+    collective write, DCP: every rank runs it, in the same order, after its own parts).
     """
 
     name: str
     write: Callable[..., list[str | FileRecord]]
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    collective: bool = False
+    by: Literal["each rank", "rank 0", "all ranks"] = "each rank"
+
+    @property
+    def collective(self) -> bool:
+        """Whether every rank must run this part together (``by == "all ranks"``)."""
+        return self.by == "all ranks"
 
 
 # A test hook: called with the phase name before each filesystem step of the save
@@ -264,24 +271,3 @@ def _follow_with_lowest_val(root: Path, name: Path, moved_to: Path) -> bool:
     write_pointer(root, LOWEST_VAL, moved_to)
     log.warning("%s followed %s to %s", LOWEST_VAL, name.name, moved_to.name)
     return True
-
-
-def remove_leftovers(root: Path) -> list[Path]:
-    """Delete staging and trash directories left by a crashed save (rank 0, at start-up).
-
-    A trash directory whose checkpoint name is absent (a crash between the two renames of a
-    re-save) is the only copy of that checkpoint: it is renamed back instead of deleted.
-    """
-    removed = []
-    if root.is_dir():
-        for child in root.iterdir():
-            if child.name.startswith(TRASH_PREFIX) and child.is_dir():
-                original = root / child.name[len(TRASH_PREFIX) :]
-                if not original.exists() and not original.is_symlink():
-                    os.rename(child, original)
-                    fsync_dir(root)
-                    continue
-            if child.name.startswith((STAGING_PREFIX, TRASH_PREFIX)) and child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
-                removed.append(child)
-    return removed

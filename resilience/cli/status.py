@@ -2,9 +2,9 @@
 
 It tabulates every checkpoint (published, incomplete, corrupt, marked bad, abandoned), the pointers
 (``LATEST``, ``LOWEST_VAL``, any other top-level symlink or ``NAME.txt`` pointer), and which
-checkpoint a resume would pick and why. It never writes: it calls
-:func:`~resilience.checkpoint.storage.manifest.validate` itself instead of the reader's ``_choose``, which
-marks invalid checkpoints ``.bad``.
+checkpoint a resume would pick and why, with the loader's own chooser
+(:func:`~resilience.checkpoint.resume_choice.choose`). It never writes: the loader marks the
+invalid checkpoints it skips ``.bad``; status only reports them.
 
 Only the standard library is imported at import time, so registering the command in
 :mod:`resilience.cli` costs ``resilience run`` nothing; the checkpoint modules are imported
@@ -251,37 +251,29 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
     return entries
 
 
-def _resume_choice(root: Path, entries: list[dict[str, Any]], pointers: dict[str, dict[str, Any]], deep: bool) -> dict[str, Any]:
-    """What :func:`resilience.checkpoint.reader._choose` would pick (without ``restore_from``),
-    computed without writing ``.bad`` markers."""
-    from resilience.checkpoint.layout import BAD_MARKER
-    from resilience.checkpoint.reader import resume_candidates
+def _resume_choice(root: Path, entries: list[dict[str, Any]], deep: bool) -> dict[str, Any]:
+    """What a resume would pick (without ``restore_from``): the loader's own chooser
+    (:func:`resilience.checkpoint.resume_choice.choose`) over the states computed for the table,
+    which writes nothing (no ``.bad`` markers)."""
+    from resilience.checkpoint.resume_choice import choose
+    from resilience.checkpoint.storage.manifest import CheckpointInvalid
 
     by_name = {e["name"]: e for e in entries if e["kind"] == "checkpoint"}
-    skipped: list[dict[str, str]] = []
-    notes: list[str] = []
-    latest_entry = pointers.get(LATEST)
-    latest: Path | None = None
-    if latest_entry is None:
-        notes.append(f"no {LATEST} pointer")
-    elif latest_entry["target"] is None:
-        notes.append(f"{LATEST} ignored ({latest_entry['error']})")
-    else:
-        latest = root / latest_entry["target"]
-    candidates = resume_candidates(root, latest)  # the reader's order: LATEST's lineage first
 
-    chosen = None
-    for path in candidates:
-        if (path / BAD_MARKER).exists():
-            skipped.append({"name": path.name, "why": "marked bad"})
-            continue
+    def check(path: Path) -> dict[str, Any]:
         entry = by_name.get(path.name)
         state, problem = (entry["checked_state"], entry["problem"]) if entry else _check(path, deep)[:2]
         if state != "complete":
-            skipped.append({"name": path.name, "why": f"{state}" + (f": {_relative(problem, root)}" if problem else "")})
-            continue
-        chosen = path.name
-        break
+            raise CheckpointInvalid(f"{state}" + (f": {_relative(problem, root)}" if problem else ""))
+        return {}
+
+    choice = choose(root, check)
+    skipped = [{"name": s.path.name, "why": "marked bad" if s.marked_bad else s.why} for s in choice.skipped]
+    notes = [f"{LATEST} ignored ({choice.latest_problem})"] if choice.latest_problem else []
+    if choice.latest is None and not choice.latest_problem:
+        notes.append(f"no {LATEST} pointer")
+    candidates, latest = choice.candidates, choice.latest
+    chosen = choice.chosen.name if choice.chosen is not None else None
 
     sizes_only = "" if deep else "; sizes checked, checksums not (--deep checks them, as a resume does)"
     latest_name = latest.name if latest is not None else None
@@ -313,7 +305,7 @@ def inspect_root(root: Path, *, deep: bool = False) -> dict[str, Any]:
         for entry in entries:
             if entry["kind"] == "checkpoint" and entry["name"] == pointer["target"]:
                 entry["pointers"].append(name)
-    resume = _resume_choice(root, entries, pointers, deep)
+    resume = _resume_choice(root, entries, deep)
     for entry in entries:
         entry.pop("checked_state")
     return {

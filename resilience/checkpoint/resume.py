@@ -1,0 +1,167 @@
+"""The load side of :class:`~resilience.checkpoint.checkpointer.Checkpointer`, top to bottom.
+
+:meth:`Resuming.restore` is the whole resume: remove a crashed save's leftovers, choose the
+checkpoint (rank 0, :mod:`~.reader` and :mod:`~.resume_choice`; the manifest parsed once), load it
+into the registered state while its bytes are digested (:func:`~.reader.load_verified`,
+:func:`~.loading.load_state`), fall back to an older one when it turns out corrupt, and re-express
+the step counters and data position for this run's batch size. The one :class:`Restored` it
+returns is applied by the loop: the counters at once, the RNG and data position when the epoch's
+iterator exists (creating it draws from the global RNG, as it did before the save).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from resilience.checkpoint.layout import MANIFEST, parse_checkpoint_name
+from resilience.checkpoint.loading import Restored, load_state
+from resilience.checkpoint.policy.lineage import parent_ref
+from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, find_resume_point, load_verified
+from resilience.checkpoint.resume_choice import remove_leftovers
+from resilience.checkpoint.storage.manifest import read_manifest
+from resilience.state.batch_size import continue_with_batch_size
+from resilience.state.rng import load_rng_state
+from resilience.state.training_state import TrainingState
+
+log = logging.getLogger("resilience.checkpoint")
+
+
+class Resuming:
+    """Resume methods of :class:`~resilience.checkpoint.checkpointer.Checkpointer` (a base class
+    only to keep the save side and the load side in modules of their own; it uses the
+    checkpointer's ``config``, ``ctx``, ``root``, ``state``, ``lowest_val`` and bookkeeping)."""
+
+    resume_source: str | None
+    run_config: dict[str, Any]
+    global_batch_size: int | None
+    _chosen_manifest: tuple[Path | None, dict[str, Any] | None]
+
+    def restore(self) -> Restored | None:
+        """Find the checkpoint to resume from and load it into the registered state (:meth:`find_resume_point`
+        then :meth:`load`); ``None`` for a fresh start. A collective.
+
+        A checkpoint whose bytes turn out corrupt while loading is marked bad and the newest older
+        valid one is loaded instead (it overwrites everything the bad one had loaded).
+
+        Raises:
+            CheckpointNotFound: ``restore_from`` or ``load_path`` names a missing, incomplete or
+                corrupt checkpoint.
+            CheckpointCorrupted: every checkpoint tried was corrupt; the model and optimizer were
+                partly overwritten, so the run must not go on: started again, it trains from scratch.
+            BatchSizeChangeRefused: the run's global batch differs from the checkpoint's and the
+                epoch cannot continue at the next unseen sample (see :mod:`resilience.state.batch_size`).
+        """
+        corrupt: CheckpointCorrupted | None = None
+        while (directory := self.find_resume_point()) is not None:
+            try:
+                restored = self.load(directory, self.state)
+            except CheckpointCorrupted as exc:
+                if self.resume_source in ("restore_from", "load_path"):
+                    raise CheckpointNotFound(f"checkpoint.{self.resume_source}: {exc}") from exc
+                if self.ctx.rank == 0:
+                    log.warning("skipping invalid checkpoint: %s (marked bad)", exc)
+                corrupt = exc
+                continue
+            if not restored.weights_only:
+                self._continue_with_batch_size(restored)
+            return restored
+        if corrupt is not None:
+            raise CheckpointCorrupted(
+                f"{corrupt}; no older valid checkpoint to fall back to, and the model and optimizer were partly "
+                "overwritten while loading it: run again to start from scratch (the corrupt checkpoint is marked bad)"
+            )
+        return None
+
+    def find_resume_point(self) -> Path | None:
+        """The directory to resume from (``restore_from`` or ``LATEST`` with fallback), or ``None``.
+
+        Checks manifests and file sizes; the bytes are checked while :meth:`load` reads them.
+        Also removes staging directories left by a crashed save. Raises ``CheckpointNotFound``
+        when ``restore_from`` names a missing or invalid checkpoint.
+        """
+        if not self.config.enabled:
+            return None
+        if self.ctx.rank == 0:
+            remove_leftovers(self.root)
+        self.resume_source = None
+        if self.config.restore_from is not None:
+            (found, manifest), source = find_resume_point(self.ctx, self.root, self.config.restore_from, checksums=False), "restore_from"
+        else:
+            found, manifest = find_resume_point(self.ctx, self.root, None, checksums=False) if self.config.resume else (None, None)
+            source = "latest"
+            # MindSpore's load_path: only while checkpoint_dir has nothing of its own, so a
+            # requeued run continues from its own LATEST instead of loading load_path again.
+            if found is None and self.config.load_path is not None:
+                (found, manifest), source = self._find_load_path(), "load_path"
+        self.resume_source = source if found is not None else None
+        self._chosen_manifest = (found, manifest)  # parsed once, by the choice; load() reuses it
+        return found
+
+    def _find_load_path(self) -> tuple[Path, dict[str, Any]]:
+        """``load_path`` as a checkpoint directory, or as a root whose ``LATEST`` (with fallback) is followed."""
+        path = Path(self.config.load_path).absolute()
+        if (path / MANIFEST).exists() or parse_checkpoint_name(path.name):
+            return find_resume_point(self.ctx, self.root, str(path), key="checkpoint.load_path", checksums=False)
+        found = find_resume_point(self.ctx, path, None, checksums=False)
+        if found[0] is None:
+            raise CheckpointNotFound(
+                f"checkpoint.load_path={self.config.load_path!r}: no valid checkpoint there (neither a checkpoint "
+                "directory nor a root holding LATEST or epoch_<E>_step_<S> checkpoints)"
+            )
+        return found
+
+    def load(self, directory: Path, state: TrainingState) -> Restored:
+        """Restore model, optimizer, LR scheduler and extra state from ``directory`` in place.
+
+        With ``no_load_optim`` and a checkpoint named by ``load_path`` or ``restore_from``, only the
+        weights are loaded (MindSpore Transformers); a resume from this run's own ``LATEST`` is
+        always complete. A checkpoint saved with ``no_save_optim`` resumes with a fresh optimizer
+        (and a warning). Either way an optimizer's ``reload_main_params_from_model()``, where it
+        has one, rebuilds its FP32 master copy from the loaded weights.
+
+        Every byte is checked against the manifest while it is read (:func:`load_verified`).
+
+        Raises:
+            ValueError: the checkpoint was written with a different world size.
+            CheckpointCorrupted: its bytes differ from the manifest (it is marked bad; what was
+                loaded must not be used: :meth:`restore` falls back to an older checkpoint).
+        """
+        chosen, manifest = self._chosen_manifest
+        if chosen != directory or manifest is None:  # a directory not from find_resume_point
+            manifest = read_manifest(directory)
+        return load_verified(self.ctx, directory, manifest, lambda: self._load(directory, manifest, state))
+
+    def _load(self, directory: Path, manifest: dict[str, Any], state: TrainingState) -> Restored:
+        weights_only = self.config.no_load_optim and self.resume_source in ("load_path", "restore_from")
+        restored = load_state(directory, manifest, state, self.ctx, self.config, weights_only=weights_only)
+        if not weights_only:
+            if self.ctx.rank == 0 and self.resume_source != "load_path":
+                self.lowest_val.reload()  # the best so far survives the restart
+            self.last_saved_step, self.last_saved_reason = restored.meta["global_step"], restored.meta.get("reason")
+            self.parent = parent_ref(directory, restored.meta, self.root)
+            if self.resume_source != "load_path":
+                self._resumed_run_id = restored.meta.get("run_id")
+        return restored
+
+    @staticmethod
+    def restore_rng(restored: Restored) -> None:
+        """Apply this rank's saved RNG state."""
+        if restored.rng_file is not None:
+            load_rng_state(restored.rng_file)
+
+    def _continue_with_batch_size(self, restored: Restored) -> None:
+        """Re-express ``restored``'s step counters and data position for this run's global batch
+        (unchanged when it is the saved one)."""
+        steps = self.run_config.get("step_scheduler", {})
+        restored.step_scheduler, restored.data_position = continue_with_batch_size(
+            restored.step_scheduler,
+            restored.data_position,
+            restored.meta,
+            self.global_batch_size,
+            loader=self.state.dataloader,
+            checkpoint=restored.directory.name,
+            configured=steps.get("global_batch_size") is not None,
+            accumulation=int(steps.get("gradient_accumulation_steps") or 1),
+        )
