@@ -19,10 +19,11 @@ from resilience.launch import launch
 HELPER = Path(__file__).resolve().parent / "helpers" / "sharded_train.py"
 
 
-def run(ckpt: Path, out: Path, layout: str, nproc: int, *overrides: str, timeout: float = 240.0) -> list[int]:
-    """Run the helper with ``layout`` on ``nproc`` ranks until every rank exits; returns their exit codes."""
+def run(ckpt: Path, out: Path, layout: str, nproc: int, *overrides: str, dims: str = "6,10,3", timeout: float = 300.0) -> list[int]:
+    """Run the helper with ``layout`` on ``nproc`` ranks (model sizes ``dims``: input, hidden,
+    output) until every rank exits; returns their exit codes."""
     cmd = [sys.executable, str(HELPER), str(ckpt), str(out), layout, *overrides]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DIMS": dims}
     if nproc == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deadline = time.monotonic() + timeout
@@ -38,14 +39,21 @@ def record(out: Path, rank: int = 0) -> dict:
     return json.loads((out / f"rank{rank}.json").read_text())
 
 
-def weights(out: Path) -> dict[str, torch.Tensor]:
-    """The full weights at the end of the run (gathered from every rank)."""
-    return load_file(str(out / "weights.safetensors"))
+def weights(out: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The full weights at the end of the run (gathered from every rank); ``prefix="loaded_"``:
+    as the resume loaded them."""
+    return load_file(str(out / f"{prefix}weights.safetensors"))
 
 
-def optimizer_state(out: Path) -> dict[str, torch.Tensor]:
-    """The full optimizer state at the end of the run, keyed ``<fqn>/<name>``."""
-    return load_file(str(out / "optim.safetensors"))
+def optimizer_state(out: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The full optimizer state at the end of the run (or as loaded), keyed ``<fqn>/<name>``."""
+    return load_file(str(out / f"{prefix}optim.safetensors"))
+
+
+def assert_loaded(out: Path, saved_out: Path) -> None:
+    """The run in ``out`` resumed with the weights and optimizer state the run in ``saved_out`` ended with."""
+    assert_equal_tensors(weights(out, "loaded_"), weights(saved_out))
+    assert_equal_tensors(optimizer_state(out, "loaded_"), optimizer_state(saved_out))
 
 
 def assert_equal_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:

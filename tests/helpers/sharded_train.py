@@ -10,11 +10,14 @@ plain, replicated), ``fsdp_tp`` (2-D mesh dp x tp = world/2 x 2: TP inside, FSDP
 
 Writes OUT_DIR/rank<R>.json ({"steps", "losses", "lrs", "exit"}) and, from rank 0, the full
 weights (OUT_DIR/weights.safetensors) and full optimizer state (OUT_DIR/optim.safetensors,
-keys ``<fqn>/<name>``) at the end of the run, gathered from every rank. The shapes are uneven on
-purpose (10 rows over 4 ranks: 3, 3, 3, 1; 3 over 4: one rank holds nothing).
+keys ``<fqn>/<name>``) at the end of the run, gathered from every rank; a resumed run also writes
+them as loaded (OUT_DIR/loaded_*.safetensors), before its first step trains. Env DIMS=d,h,o sets
+the sizes (default 6,10,3: uneven on purpose, 10 rows over 4 ranks are 3, 3, 3, 1; 3 over 4
+leave one rank nothing).
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,15 +32,16 @@ from resilience import ConfigError, ExitCode, load_config, resilient_loop
 ckpt_dir, out_dir, layout, overrides = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
 world, rank = ranks.join()
 out_dir.mkdir(parents=True, exist_ok=True)
+DIM, HIDDEN, OUT = (int(n) for n in os.environ.get("DIMS", "6,10,3").split(","))
 
 
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.up = torch.nn.Linear(6, 10)
-        self.down = torch.nn.Linear(10, 6)
-        self.norm = torch.nn.LayerNorm(6)
-        self.head = torch.nn.Linear(6, 3)
+        self.up = torch.nn.Linear(DIM, HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, DIM)
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.head = torch.nn.Linear(DIM, OUT)
 
     def forward(self, x):
         return self.head(self.norm(x + self.down(torch.relu(self.up(x)))))
@@ -83,9 +87,22 @@ net, dp_rank = shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
 lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 g = torch.Generator().manual_seed(dp_rank)
-batches = [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(12)]
+batches = [(torch.randn(4, DIM, generator=g), torch.randn(4, OUT, generator=g)) for _ in range(12)]
 
 record = {"steps": [], "losses": [], "lrs": []}
+
+
+def dump(prefix=""):
+    """Rank 0 writes the full weights and optimizer state, gathered from every rank (a collective)."""
+    full = StateDictOptions(full_state_dict=True)
+    weights = get_model_state_dict(net, options=full)
+    optim = get_optimizer_state_dict(net, optimizer, options=full)["state"]
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / f"{prefix}weights.safetensors"))
+        flat = {f"{fqn}/{name}": v.contiguous() for fqn, entries in optim.items() for name, v in entries.items() if isinstance(v, torch.Tensor)}
+        save_file(flat, str(out_dir / f"{prefix}optim.safetensors"))
+
+
 try:
     loop = resilient_loop(cfg, model=net, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=batches)
 except ConfigError as exc:  # found before training, on every rank
@@ -93,6 +110,8 @@ except ConfigError as exc:  # found before training, on every rank
     sys.exit(int(ExitCode.CONFIG_ERROR))
 with loop:
     for step in loop:
+        if loop.resumed_from is not None and not record["steps"]:
+            dump("loaded_")  # what the resume loaded, before this process trains it
         x, y = step.batch
         loss = torch.nn.functional.mse_loss(net(x), y)
         optimizer.zero_grad()
@@ -104,13 +123,7 @@ with loop:
         record["lrs"].append(lr_scheduler.get_last_lr()[0])
         loop.log(loss=loss.item())
 
-full = StateDictOptions(full_state_dict=True)
-weights = get_model_state_dict(net, options=full)  # gathered from every rank (a collective)
-optim = get_optimizer_state_dict(net, optimizer, options=full)["state"]
-if rank == 0:
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / "weights.safetensors"))
-    flat = {f"{fqn}/{name}": v.reshape(v.shape).contiguous() for fqn, entries in optim.items() for name, v in entries.items() if isinstance(v, torch.Tensor)}
-    save_file(flat, str(out_dir / "optim.safetensors"))
+dump()
 record["exit"] = int(loop.exit_code)
 (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
 if world > 1:

@@ -29,6 +29,10 @@ try:
 except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor
     from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+try:
+    from torch.distributed.tensor.placement_types import _StridedShard as _STRIDED
+except ImportError:  # torch without it
+    _STRIDED = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +81,14 @@ def is_sharded(state: dict[str, Any]) -> bool:
 
 def unsupported(state: dict[str, Any]) -> str | None:
     """Why ``state`` cannot be saved piece by piece, or ``None``: a ``DTensor`` placement other
-    than ``Shard`` or ``Replicate`` (``Partial``: a pending reduction, not values to store)."""
+    than ``Shard`` or ``Replicate`` (``Partial``: a pending reduction, not values to store).
+    FSDP2 over tensor parallel shards a TP shard again (``_StridedShard``): accepted, as its
+    blocks are contiguous in the layouts torch builds; :func:`make_plan` checks they tile."""
     for key, t in state.items():
         if isinstance(t, DTensor):
-            odd = [p for p in t.placements if not (p.is_shard() or p.is_replicate())]
+            odd = [p for p in t.placements if not (p.is_shard() or p.is_replicate() or isinstance(p, _STRIDED))]
             if odd:
-                return f"{key} is a DTensor with placement {odd[0]} (only Shard and Replicate placements hold storable values)"
+                return f"{key} is a DTensor with placement {odd[0]!r} (only Shard and Replicate placements hold storable values)"
     return None
 
 
