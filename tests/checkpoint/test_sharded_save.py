@@ -162,6 +162,6 @@ def test_a_partial_dtensor_parameter_is_a_config_error_on_every_rank_before_the_
     err = capfd.readouterr().err
     assert codes == [ExitCode.CONFIG_ERROR] * 2
     assert err.count("checkpoint.model_save_format=safetensors cannot save this model") == 2
-    assert "head.bias is a DTensor with placement Partial(reduce_op=sum)" in err
+    assert "head.bias is a DTensor with placement Partial(sum)" in err
     assert not (tmp_path / "ck" / TRAINING_LOG).exists(), "nothing trained"
     assert not (tmp_path / "ck" / LATEST).exists()
