@@ -50,11 +50,6 @@ class Block:
         """Elements in the block."""
         return math.prod(self.shape)
 
-    @property
-    def whole(self) -> bool:
-        """True when the block is the whole tensor."""
-        return self.shape == self.global_shape
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"`` (the names our JSON files use)."""
@@ -106,10 +101,6 @@ class Plan:
     def mine(self, rank: int) -> list[tuple[str, dict[str, Any]]]:
         """``(key, piece)`` of every piece ``rank`` writes, in state-dict order."""
         return [(key, piece) for key, info in self.tensors.items() for piece in info["pieces"] if piece["rank"] == rank]
-
-    def bytes_of(self, rank: int) -> int:
-        """Bytes ``rank`` writes."""
-        return sum(math.prod(piece["shape"]) * getattr(torch, self.tensors[key]["dtype"]).itemsize for key, piece in self.mine(rank))
 
 
 def make_plan(state: dict[str, torch.Tensor], *, rank: int, world_size: int, gather: Callable[[Any], list[Any]]) -> Plan:
