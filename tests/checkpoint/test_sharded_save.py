@@ -94,6 +94,7 @@ def test_overlap_slices_give_the_common_region_in_both_blocks():
 # -- real ranks ----------------------------------------------------------------------------------------
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # torch's reader, read here in one process
 def test_fsdp2_on_two_ranks_writes_half_the_model_per_rank_torch_reads_it_and_the_resume_is_bitwise(tmp_path, fsdp2_uninterrupted):
     ckpt, first, second = _interrupted_and_resumed(tmp_path, "fsdp", 2)
     _about_one_nth(ckpt, 2)
