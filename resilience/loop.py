@@ -359,7 +359,8 @@ def resilient_loop(
 
     Args:
         config: a :class:`ResilienceConfig`, plain data in the YAML layout, or ``None`` (defaults).
-        model: the module being trained (plain or DDP); saved as safetensors.
+        model: the module being trained (plain, DDP, or sharded: FSDP2, tensor parallel, 2-D
+            meshes); saved as safetensors, each rank writing its own shards.
         optimizer: saved via DCP (optional).
         lr_scheduler: anything with a JSON-able ``state_dict()`` (optional).
         dataloader: iterable of batches; a ``StatefulDataLoader`` or any loader whose sampler

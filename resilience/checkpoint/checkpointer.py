@@ -23,6 +23,7 @@ from resilience.checkpoint.loading import Restored
 from resilience.checkpoint.parts import checkpoint_parts, epoch_of
 from resilience.checkpoint.policy import retention
 from resilience.checkpoint.policy.lowest_val import LowestVal, json_safe, select_metric
+from resilience.checkpoint.policy.savable import check_savable
 from resilience.checkpoint.policy.world_size import world_size_problem
 from resilience.checkpoint.resume import Resuming
 from resilience.checkpoint.staging import StagingBuffers
@@ -103,6 +104,7 @@ class Checkpointer(Resuming):
         self._async_ctx: DistContext | None = None
         self._buffers = StagingBuffers()
         self._check_root()
+        check_savable(config, state.model, ctx)  # a model the format cannot save: refused before training
         if config.is_async and config.enabled and config.enable_save:
             self._async = AsyncWriter()
             self._async_ctx = DistContext.from_env(timeout_s=config.async_timeout_s) if ctx.distributed else ctx

@@ -16,6 +16,7 @@ names from here only, so this tree is the whole layout::
         common.json  losses.json          COMMON (MindSpore's), LOSSES
         model/                            MODEL_DIR
           shard-00001-model-00001-of-00001.safetensors ...   model_shard_name() (MODEL_SHARD_GLOB): one per rank
+                                          and output file; a sharded model's hold each rank's local DTensor shards
           shard_index.json                SHARD_INDEX (MODEL_SHARD_INDEX from the checkpoint directory)
           consolidate.sh                  CONSOLIDATE_SH (MODEL_CONSOLIDATE_SH): writes consolidated/ later
           hf_metadata/                    HF_METADATA (MODEL_HF_METADATA): config.json (HF_CONFIG),

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from resilience.checkpoint.formats import hf_export, model_io, optim_io
+from resilience.checkpoint.formats import hf_export, model_io, optim_io, pieces
 from resilience.checkpoint.formats.extra_state import save_extra_state
 from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, RNG_DIR, STEP_SCHEDULER, TRASH_PREFIX, dataloader_rank_file, rng_rank_file
 from resilience.checkpoint.policy.lowest_val import json_safe
@@ -106,6 +106,9 @@ def _model_part(
     # are neither copied nor written: the tensor is stored once, the tie recorded.
     aliases = model_io.tied_aliases(state.model, tensors) if fmt == "safetensors" else {}
     tensors = {key: t for key, t in tensors.items() if key not in aliases}
+    # Who writes which piece is settled now, on this thread and group (a collective for a sharded
+    # model), so the part itself (possibly in the background) only writes.
+    plan = pieces.make_plan(tensors, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object) if fmt == "safetensors" else None
     if buffers is not None:
         tensors = buffers.copy_in(tensors, prefix="model.")
     return Part(
@@ -121,6 +124,7 @@ def _model_part(
             "tokenizer": state.tokenizer,
             "state_dict": tensors,
             "aliases": aliases,
+            "plan": plan,
         },
         by="all ranks" if fmt == "torch_save" else "each rank",
     )

@@ -14,6 +14,11 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import DTensor
+
 
 class StagingBuffers:
     """Reusable CPU buffers keyed by name; :meth:`copy_in` returns the filled buffers.
@@ -34,17 +39,23 @@ class StagingBuffers:
         return buf
 
     def copy_in(self, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
-        """Copy every tensor into its staging buffer; returns ``{name: buffer}`` (same keys).
+        """Copy every tensor into its staging buffer; returns ``{name: buffer}`` (same keys). A
+        ``DTensor``'s local shard is copied, and its buffer returned as a ``DTensor`` of the same
+        global shape and placements.
 
         Device tensors are copied with ``non_blocking`` into pinned memory; call
         :meth:`synchronize` before the buffers are read.
         """
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
             tensor = tensor.detach()
-            buf = self._buffer_for(prefix + name, tensor)
-            buf.copy_(tensor, non_blocking=tensor.device.type != "cpu")
-            out[name] = buf
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            buf = self._buffer_for(prefix + name, local)
+            buf.copy_(local, non_blocking=local.device.type != "cpu")
+            # A DTensor's snapshot is its local shard, kept a DTensor (same mesh, placements and
+            # global shape) so the writers still know where it lies; built directly, as
+            # DTensor.from_local would move a CPU shard back to the mesh's device.
+            out[name] = DTensor(buf, tensor._spec, requires_grad=False) if isinstance(tensor, DTensor) else buf
         return out
 
     def synchronize(self) -> None:

@@ -197,6 +197,9 @@ def write_bundle(
     Raises:
         ConsolidateError: a bad ``cast_dtype``, or an alias whose canonical key is not in ``layout``.
     """
+    split = sorted(key for key, info in layout.items() if info.get("shard") is None)
+    if fetch is None and split:
+        raise ConsolidateError(f"{split[0]} and {len(split) - 1} more are stored in pieces (a sharded model's checkpoint): not consolidated here yet")
     layout = with_alias_copies(layout, aliases or {}, set(bundle_omits))
     cast = parse_cast_dtype(cast_dtype)
     targets, notes = plan_dtypes(layout, cast)

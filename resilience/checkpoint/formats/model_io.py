@@ -5,7 +5,7 @@
     model/
       shard-00001-model-00001-of-00001.safetensors   rank K-1 writes shard-0000K-...; 0000I-of-0000N
       shard-00002-model-00001-of-00001.safetensors   is the consolidated file the tensors belong to
-      shard_index.json        tensor -> shard file, dtype, shape, consolidated file, original dtype
+      shard_index.json        tensor -> global shape, dtype, pieces (file, offsets, shape), consolidated file, original dtype
       consolidate.sh          writes model/consolidated/ later (see resilience.checkpoint.formats.consolidate)
       hf_metadata/            config.json, generation_config.json, tokenizer files (HF objects only)
       consolidated/           the Hugging Face bundle, when checkpoint.save_consolidated asks for it
@@ -19,9 +19,13 @@ first in state-dict order), with the tie recorded in ``shard_index.json`` as
 which the Hugging Face bundle leaves out as ``save_pretrained`` does; it holds every other alias
 as a copy (a tie made by hand is not in ``config.json``). Recorded now, as ``consolidate.sh``
 runs later without the model.
-The model is replicated (plain or DDP), so each rank already holds every tensor: the split into
-parts is a deterministic plan every rank computes alike, and rank 0 alone writes the index.
-Loading reads every shard on every rank, so it works under any world size. The consolidated file
+Every rank writes only the pieces it owns (:mod:`~resilience.checkpoint.formats.pieces`): of a
+replicated model (plain or DDP) a balanced share of whole tensors; of a sharded one (``DTensor``
+parameters: FSDP2, tensor parallel, 2-D meshes) its local shards, a block held by several ranks
+written once. Each shard file records the global offsets of its pieces as torch's DCP does
+(``DCP_SHARDING_INFO``), and rank 0 writes the index; see
+:mod:`~resilience.checkpoint.formats.shard_files`. Loading reads, on each rank, the pieces that
+overlap what that rank holds, so it works under any world size and mesh (resharding). The consolidated file
 grouping (``0000I-of-0000N``) mirrors the original Hugging Face checkpoint when its headers are
 known, else groups of at most 5 GB (``save_pretrained``'s classic ``max_shard_size``).
 
@@ -37,6 +41,8 @@ from __future__ import annotations
 import importlib.resources
 import json
 import logging
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +54,8 @@ try:
 except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor
 
-from resilience.checkpoint.balance import balance
 from resilience.checkpoint.formats import consolidate as consolidation
-from resilience.checkpoint.formats import hf_export, sharded_model
+from resilience.checkpoint.formats import hf_export, pieces, shard_files, sharded_model
 from resilience.checkpoint.layout import (
     ADAPTER_CONFIG,
     CONSOLIDATE_SH,
@@ -65,13 +70,13 @@ from resilience.checkpoint.layout import (
 )
 from resilience.checkpoint.storage import dcp_io
 from resilience.checkpoint.storage.durable import FileRecord
-from resilience.checkpoint.storage.safetensors_file import read_safetensors, write_safetensors
+from resilience.checkpoint.storage.safetensors_file import read_safetensors
+from resilience.distributed import DistContext
 
 log = logging.getLogger("resilience.checkpoint")
 
 MAX_FILE_BYTES = 5 * 10**9
 SAVE_FORMATS = ("safetensors", "torch_save")
-_INDEX_FORMAT = "resilience.sharded_safetensors"
 
 
 def model_file(shard: int = 1, file_index: int = 1, num_files: int = 1) -> str:
@@ -92,6 +97,7 @@ def save_model(
     max_file_bytes: int = MAX_FILE_BYTES,
     state_dict: dict[str, torch.Tensor] | None = None,
     aliases: dict[str, str] | None = None,
+    plan: pieces.Plan | None = None,
 ) -> list[str | FileRecord]:
     """Write this rank's part of the model into ``staging/model/``; returns what it wrote: records
     of the files digested and fsync'd while written (weight shards, DCP files) and the relative
@@ -102,14 +108,20 @@ def save_model(
     (``{alias: canonical}``, see :func:`tied_aliases`) names the tied keys; by default they are
     found in ``state_dict``, which a snapshot of separate copies no longer shows, so a snapshot
     comes with the aliases of the live model and without their keys. safetensors only.
+    ``plan`` (:func:`pieces.make_plan` of ``state_dict``, made where the snapshot was taken) says
+    which rank writes which piece; by default it is made here (a collective over ``group`` for a
+    sharded model).
 
-    Call it on every rank: with ``save_format="torch_save"`` it is a collective over ``group``.
+    Call it on every rank: with ``save_format="torch_save"``, or a sharded model without ``plan``,
+    it is a collective over ``group``.
     ``consolidated`` adds ``model/consolidated/`` (rank 0, safetensors only); ``tokenizer`` (any
     object with ``save_pretrained``) adds its files. A PEFT model writes only its adapters (rank 0).
 
     Raises:
         ValueError: an unknown ``save_format``.
-        NotImplementedError: a sharded (DTensor / FSDP) model with ``save_format="safetensors"``.
+        NotImplementedError: a ``DTensor`` placement safetensors cannot store (``Partial``; see
+            :func:`pieces.unsupported`, checked at ``resilient_loop()`` already).
+        ValueError: the ranks' pieces do not tile a tensor (see :func:`pieces.make_plan`).
     """
     if save_format not in SAVE_FORMATS:
         raise ValueError(f"model_save_format: {save_format!r}; accepted: {', '.join(SAVE_FORMATS)}")
@@ -127,8 +139,39 @@ def save_model(
     aliases = tied_aliases(model, state) if aliases is None else aliases
     state = {key: t for key, t in state.items() if key not in aliases}
     return _save_sharded(
-        staging, model, state, rank=rank, world_size=world_size, consolidated=consolidated, tokenizer=tokenizer, max_file_bytes=max_file_bytes, aliases=aliases
+        staging,
+        model,
+        state,
+        rank=rank,
+        world_size=world_size,
+        group=group,
+        plan=plan,
+        consolidated=consolidated,
+        tokenizer=tokenizer,
+        max_file_bytes=max_file_bytes,
+        aliases=aliases,
     )
+
+
+def save_problem(model: torch.nn.Module, *, rank: int, world_size: int, gather: Callable[[Any], list[Any]]) -> str | None:
+    """Why ``model`` cannot be saved with ``model_save_format: safetensors``, or ``None``; checked
+    before training (``resilient_loop()``), so a first save never finds it. For a sharded model
+    (``DTensor`` parameters) a collective through ``gather`` (``DistContext.all_gather_object``),
+    answering the same on every rank: a placement other than ``Shard``/``Replicate``
+    (``Partial``), or shards whose offsets do not tile their tensor."""
+    if hf_export.is_peft_model(model):
+        return None
+    state = get_model_state_dict(model)
+    if not pieces.is_sharded(state):
+        return None
+    problems = [p for p in gather(pieces.unsupported(state)) if p] if world_size > 1 else [pieces.unsupported(state)]
+    if any(problems):
+        return next(p for p in problems if p)
+    try:
+        pieces.make_plan(state, rank=rank, world_size=world_size, gather=gather)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def tied_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -141,9 +184,12 @@ def tied_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict
     declared = hf_export.tied_weight_keys(model)
     groups: dict[tuple, list[str]] = {}
     for key, t in state.items():
-        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.numel() == 0:
+        if not isinstance(t, torch.Tensor):
+            continue
+        local = t.to_local() if isinstance(t, DTensor) else t  # a sharded tie shares its local shard
+        if local.numel() == 0:
             continue  # empty tensors may all report the same null data pointer
-        view = (str(t.device), t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        view = (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), local.stride(), t.dtype)
         groups.setdefault(view, []).append(key)
     aliases: dict[str, str] = {}
     for keys in groups.values():
@@ -178,14 +224,18 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
         set_model_state_dict(model, state)
     else:
         layout = sharded_model.read_layout(model_dir)
+        aliases = sharded_model.read_aliases(model_dir)
         live = get_model_state_dict(model)  # the model's own tensors: read into them in place
+        if pieces.is_sharded(live) or any(info["shard"] is None for info in layout.values()):
+            shard_files.load_by_slices(model_dir, layout, live, aliases)  # each rank reads what overlaps its blocks
+            return
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted({info["shard"] for info in layout.values()}):
             tensors.update(read_safetensors(model_dir / shard, live))
         if set(tensors) != set(layout):
             differ = sorted(set(tensors) ^ set(layout))[:5]
             raise ValueError(f"{model_dir}: the shards and {SHARD_INDEX} disagree on {differ}")
-        _restore_aliases(model_dir, tensors, sharded_model.read_aliases(model_dir), live)
+        _restore_aliases(model_dir, tensors, aliases, live)
         if set(tensors) != set(live) or any(t is not live[key] for key, t in tensors.items()):
             set_model_state_dict(model, tensors)  # some did not fit in place (or keys differ: its error)
 
@@ -234,50 +284,23 @@ def _save_sharded(
     *,
     rank: int,
     world_size: int,
+    group: Any,
+    plan: pieces.Plan | None,
     consolidated: bool,
     tokenizer: Any,
     max_file_bytes: int,
     aliases: dict[str, str],
 ) -> list[str | FileRecord]:
-    for key, value in state.items():
-        if isinstance(value, DTensor):
-            raise NotImplementedError(
-                f"{key} is a DTensor (a sharded FSDP/TP model): model_save_format: safetensors supports "
-                "replicated models (plain or DDP); use model_save_format: torch_save"
-            )
+    problem = pieces.unsupported(state)
+    if problem:
+        raise NotImplementedError(f"model_save_format: safetensors: {problem}")
+    if plan is None:
+        plan = pieces.make_plan(state, rank=rank, world_size=world_size, gather=DistContext(rank, world_size, group).all_gather_object)
     originals = hf_export.original_tensors(model)
-    nbytes = {key: t.numel() * t.element_size() for key, t in state.items()}
-    file_of, num_files = _file_plan(list(nbytes.items()), originals, max_file_bytes)
-    owner = balance(nbytes, world_size)  # writer rank per key (ties in state-dict order)
-    index = {
-        "format": _INDEX_FORMAT,
-        "version": 1,
-        "world_size": world_size,
-        "num_files": num_files,
-        "metadata": {"total_size": sum(nbytes.values())},
-        "weight_map": {key: model_shard_name(owner[key] + 1, world_size, file_of[key], num_files) for key in state},
-        "tensors": {
-            key: {
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape),
-                "file_index": file_of[key],
-                "original_dtype": originals.get(key, {}).get("dtype"),
-            }
-            for key, t in state.items()
-        },
-        "aliases": dict(sorted(aliases.items())),  # tied keys: stored once, under the canonical key
-        "bundle_omits": bundle_omits(model, aliases),
-    }
-    cpu = _cpu_copies(state)
-    written: list[str | FileRecord] = []
-    mine: dict[str, list[str]] = {}
-    for key in state:
-        if owner[key] == rank:
-            mine.setdefault(index["weight_map"][key], []).append(key)
-    for name, keys in mine.items():
-        originals_here = {k: index["tensors"][k]["original_dtype"] for k in keys if index["tensors"][k]["original_dtype"]}
-        metadata = {"format": "pt", "original_dtypes": json.dumps(originals_here)}
-        written.append(write_safetensors(staging / MODEL_DIR / name, {k: cpu(k) for k in keys}, f"{MODEL_DIR}/{name}", metadata))
+    nbytes = [(key, math.prod(info["shape"]) * getattr(torch, info["dtype"]).itemsize) for key, info in plan.tensors.items()]
+    file_of, num_files = _file_plan(nbytes, originals, max_file_bytes)
+    index = shard_files.index_doc(plan, file_of, num_files, originals, aliases, bundle_omits(model, aliases))
+    written: list[str | FileRecord] = list(shard_files.write_rank_files(staging / MODEL_DIR, state, plan, index, rank))
     if rank != 0:
         return written
     (staging / MODEL_SHARD_INDEX).write_text(json.dumps(index, indent=1) + "\n")
@@ -288,9 +311,13 @@ def _save_sharded(
     if hf_export.is_hf_model(model) or tokenizer is not None:
         sidecars = staging / MODEL_HF_METADATA
         written += [f"{MODEL_HF_METADATA}/{rel}" for rel in hf_export.write_hf_metadata(sidecars, model, tokenizer)]
-    if consolidated:
+    if consolidated and pieces.is_sharded(state):
+        # The bundle of a sharded model is built from the shards (no rank holds the full model).
+        log.warning("the Hugging Face bundle of a sharded model is not written with the checkpoint; build it from the shards later")
+    elif consolidated:
         layout = sharded_model.read_layout(staging / MODEL_DIR)
         out = staging / MODEL_CONSOLIDATED
+        cpu = _cpu_copies(state)
         written += [
             f"{MODEL_CONSOLIDATED}/{rel}"
             for rel in consolidation.write_bundle(out, layout, fetch=cpu, sidecar_dir=sidecars, aliases=aliases, bundle_omits=index["bundle_omits"])

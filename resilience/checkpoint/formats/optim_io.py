@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import DTensor
 
 from resilience.checkpoint.layout import LR_SCHEDULER, OPTIM_DIR, SKELETON
 from resilience.checkpoint.storage import dcp_io
@@ -60,10 +65,13 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
     """Restore the optimizer state in place (collective over ``group``).
 
     DCP reads into the optimizer's current state tensors where they match in shape and dtype
-    (an optimizer that has stepped), else into new ones (a fresh optimizer has no state yet).
+    (an optimizer that has stepped), else into new ones (a fresh optimizer has no state yet),
+    sharded like their parameter where it is a ``DTensor`` (DCP reshards: each rank reads its
+    own shard, whatever the saving mesh was).
     """
     skeleton = json.loads((directory / SKELETON).read_text())
     current = get_optimizer_state_dict(model, optimizer)["state"]
+    params = get_model_state_dict(model)
     tensors = {}
     state: dict[str, Any] = {}
     for fqn, entries in skeleton["state"].items():
@@ -73,7 +81,7 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
                 shape, dtype = spec["shape"], getattr(torch, spec["dtype"])
                 mine = current.get(fqn, {}).get(name)
                 fits = isinstance(mine, torch.Tensor) and mine.device.type == "cpu" and list(mine.shape) == shape and mine.dtype == dtype
-                tensors[spec["tensor"]] = mine if fits else torch.empty(shape, dtype=dtype)
+                tensors[spec["tensor"]] = mine if fits else _target(params.get(fqn), shape, dtype)
             else:
                 state[fqn][name] = spec["value"]
     dcp_io.load_tensors(tensors, directory / OPTIM_DIR, group=group)
@@ -88,6 +96,15 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
             if isinstance(value, list) and isinstance(current.get(key), tuple):
                 saved[key] = tuple(value)
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": skeleton["param_groups"]})
+
+
+def _target(param: Any, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A new load target of ``shape`` and ``dtype`` for a state entry of ``param``: a ``DTensor``
+    laid out like ``param`` when it is one of the same global shape (Adam's moments), else a
+    plain tensor (a step counter, or a replicated model's state)."""
+    if isinstance(param, DTensor) and list(param.shape) == shape:
+        return torch.empty_like(param, dtype=dtype)
+    return torch.empty(shape, dtype=dtype)
 
 
 def lr_scheduler_json(scheduler: Any) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from resilience.checkpoint.formats.shard_files import pieces_of
 from resilience.checkpoint.layout import (
     ADAPTER_CONFIG,
     DCP_METADATA,
@@ -31,9 +32,12 @@ class ConsolidateError(ValueError):
 
 
 def read_layout(model_dir: Path) -> dict[str, dict[str, Any]]:
-    """``{key: {"shard", "file_index", "num_files", "dtype", "shape", "original_dtype"}}`` of the
-    sharded safetensors in ``model_dir``, from ``shard_index.json`` (or, for a checkpoint written
-    before it existed, from the shards' headers).
+    """``{key: {"shard", "file_index", "num_files", "dtype", "shape", "original_dtype", "pieces"}}``
+    of the sharded safetensors in ``model_dir``, from ``shard_index.json`` (or, for a checkpoint
+    written before it existed, from the shards' headers). ``shape`` is the global shape;
+    ``pieces`` lists where the tensor is stored (``{"file", "offsets", "shape"}``, see
+    :mod:`~resilience.checkpoint.formats.shard_files`); ``shard`` names the file of a tensor stored
+    whole, and is ``None`` for one stored in pieces (a sharded model's).
 
     Raises:
         ConsolidateError: ``model_dir`` holds no sharded safetensors model (PEFT adapters, DCP).
@@ -41,7 +45,10 @@ def read_layout(model_dir: Path) -> dict[str, dict[str, Any]]:
     index_path = model_dir / SHARD_INDEX
     if index_path.is_file():
         index = json.loads(index_path.read_text())
-        return {key: {**info, "shard": index["weight_map"][key], "num_files": index["num_files"]} for key, info in index["tensors"].items()}
+        return {
+            key: {**info, "shard": index["weight_map"].get(key), "num_files": index["num_files"], "pieces": pieces_of(index, key)}
+            for key, info in index["tensors"].items()
+        }
     if (model_dir / ADAPTER_CONFIG).is_file():
         raise ConsolidateError(f"{model_dir} holds PEFT adapters: they are already a Hugging Face bundle (load it with peft)")
     if (model_dir / DCP_METADATA).is_file():
@@ -63,6 +70,7 @@ def read_layout(model_dir: Path) -> dict[str, dict[str, Any]]:
                     "dtype": ST_DTYPES.get(info["dtype"], info["dtype"]),
                     "shape": info["shape"],
                     "original_dtype": originals.get(key),
+                    "pieces": [{"file": shard.name, "offsets": [0] * len(info["shape"]), "shape": info["shape"]}],
                 }
     return layout
 

@@ -1,0 +1,171 @@
+"""The per-rank safetensors shard files of ``model/`` and their index: written piece by piece, read
+back by slices (``model_save_format: safetensors``; the plan of who writes what is
+:mod:`~resilience.checkpoint.formats.pieces`).
+
+Each rank writes the pieces it owns into ``shard-0000K-model-0000I-of-0000N.safetensors`` (K its
+rank + 1, I-of-N the Hugging Face output file its tensors belong to), the names torch's
+``HuggingFaceStorageWriter(save_distributed=True)`` and NeMo AutoModel give them. A tensor is
+stored under its own key in every file holding a piece of it; each file's ``__metadata__`` says
+where, as torch's DCP writes it (``torch/distributed/checkpoint/filesystem.py``), so torch's
+``HuggingFaceStorageReader`` and ``_consolidate_hf_safetensors`` read our shards too::
+
+    "DCP_SHARDING_INFO": '{"<key>": {"saved_offsets": [0, 64], "global_shape": [128, 128]}, ...}'
+    "DCP_VERSION": "1.0",  "format": "pt",  "original_dtypes": '{"<key>": "bfloat16"}'
+
+(``global_shape`` is ours; torch's readers ignore it.) ``shard_index.json`` (rank 0) describes the
+whole checkpoint: per key its global ``shape``, ``dtype``, output ``file_index``,
+``original_dtype`` and ``pieces`` (``file``, ``offsets``, ``shape``); ``weight_map`` names the file
+of each key stored whole (one piece); ``aliases`` and ``bundle_omits`` as before (version 1 had no
+``pieces``: every key whole, in its ``weight_map`` file).
+
+A loading rank reads, for each tensor it holds (its local shard, or the whole tensor of a plain
+model), only the stored pieces that overlap it, and only the overlapping slices of them
+(``safetensors.safe_open``), so a resharded load (another world size, another mesh, FSDP2 into a
+plain model, replicated into sharded and back) never holds the full model on one rank unless
+that rank's model is itself full.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from resilience.checkpoint.formats.pieces import Plan, block_of, local_tensor, overlap_slices
+from resilience.checkpoint.layout import SHARD_INDEX, model_shard_name
+from resilience.checkpoint.storage.durable import FileRecord
+from resilience.checkpoint.storage.safetensors_file import write_safetensors
+
+INDEX_FORMAT = "resilience.sharded_safetensors"
+INDEX_VERSION = 2
+# The keys torch's DCP writes into a safetensors shard's __metadata__ (torch/distributed/checkpoint/_hf_utils.py).
+SHARDING_INFO = "DCP_SHARDING_INFO"
+SAVED_OFFSETS = "saved_offsets"
+GLOBAL_SHAPE = "global_shape"
+DCP_VERSION = ("DCP_VERSION", "1.0")
+
+
+def index_doc(
+    plan: Plan,
+    file_of: dict[str, int],
+    num_files: int,
+    originals: dict[str, dict[str, str]],
+    aliases: dict[str, str],
+    omits: list[str],
+) -> dict[str, Any]:
+    """The ``shard_index.json`` document of ``plan`` (see the module docstring); ``file_of``:
+    key -> 1-based output file index of ``num_files``; ``originals``: key -> original
+    ``{"dtype", "file"}``; ``aliases``/``omits``: the tied keys stored once and those the bundle
+    leaves out."""
+    tensors, weight_map, total = {}, {}, 0
+    for key, info in plan.tensors.items():
+        pieces = [
+            {"file": piece_file(plan, piece["rank"], file_of[key], num_files), "offsets": piece["offsets"], "shape": piece["shape"]} for piece in info["pieces"]
+        ]
+        if len(pieces) == 1 and pieces[0]["shape"] == info["shape"]:
+            weight_map[key] = pieces[0]["file"]
+        total += math.prod(info["shape"]) * getattr(torch, info["dtype"]).itemsize
+        tensors[key] = {
+            "dtype": info["dtype"],
+            "shape": info["shape"],
+            "file_index": file_of[key],
+            "original_dtype": originals.get(key, {}).get("dtype"),
+            "pieces": pieces,
+        }
+    return {
+        "format": INDEX_FORMAT,
+        "version": INDEX_VERSION,
+        "world_size": plan.world_size,
+        "num_files": num_files,
+        "metadata": {"total_size": total},
+        "weight_map": weight_map,
+        "tensors": tensors,
+        "aliases": dict(sorted(aliases.items())),  # tied keys: stored once, under the canonical key
+        "bundle_omits": omits,
+    }
+
+
+def piece_file(plan: Plan, rank: int, file_index: int, num_files: int) -> str:
+    """The shard file rank ``rank`` writes the pieces of output file ``file_index`` into."""
+    return model_shard_name(rank + 1, plan.world_size, file_index, num_files)
+
+
+def write_rank_files(model_dir: Path, state: dict[str, torch.Tensor], plan: Plan, index: dict[str, Any], rank: int) -> list[FileRecord]:
+    """Write the pieces ``rank`` owns in ``plan`` (its local blocks of ``state``'s tensors) into its
+    shard files under ``model_dir``, each fsync'd and digested while written; returns their
+    records (paths relative to the checkpoint directory).
+
+    Raises:
+        OSError: from the writes; TypeError: a dtype safetensors cannot store.
+    """
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    info: dict[str, dict[str, Any]] = {}
+    for key, piece in plan.mine(rank):
+        name = piece_file(plan, rank, index["tensors"][key]["file_index"], index["num_files"])
+        files.setdefault(name, {})[key] = _cpu_contiguous(local_tensor(state[key]))
+        info.setdefault(name, {})[key] = {SAVED_OFFSETS: piece["offsets"], GLOBAL_SHAPE: index["tensors"][key]["shape"]}
+    records = []
+    for name, tensors in files.items():
+        originals = {k: index["tensors"][k]["original_dtype"] for k in tensors if index["tensors"][k]["original_dtype"]}
+        metadata = {"format": "pt", SHARDING_INFO: json.dumps(info[name]), DCP_VERSION[0]: DCP_VERSION[1], "original_dtypes": json.dumps(originals)}
+        records.append(write_safetensors(model_dir / name, tensors, f"{model_dir.name}/{name}", metadata))
+    return records
+
+
+def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU and contiguous (copied only when it is not)."""
+    t = t.cpu() if t.device.type != "cpu" else t
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def pieces_of(index: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """The stored pieces of ``key`` (``{"file", "offsets", "shape"}``); a version 1 index holds
+    every key whole in its ``weight_map`` file."""
+    info = index["tensors"][key]
+    if "pieces" in info:
+        return info["pieces"]
+    return [{"file": index["weight_map"][key], "offsets": [0] * len(info["shape"]), "shape": info["shape"]}]
+
+
+def load_by_slices(model_dir: Path, layout: dict[str, dict[str, Any]], live: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+    """Fill every tensor of ``live`` (a model's state dict: plain tensors and ``DTensor``\\ s, the
+    model's own storage) in place from the pieces of ``layout`` (see
+    :func:`~resilience.checkpoint.formats.sharded_model.read_layout`) that overlap this rank's
+    block of it; an alias reads its canonical key's pieces.
+
+    Raises:
+        ValueError: missing or unexpected keys, another global shape, or a block the stored
+            pieces do not cover.
+    """
+    missing = sorted(key for key in live if aliases.get(key, key) not in layout)
+    unexpected = sorted(set(layout) - set(live) - set(aliases.values()))
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: the model and {SHARD_INDEX} differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    handles: dict[str, Any] = {}
+    try:
+        with torch.no_grad():
+            for key, t in live.items():
+                source = aliases.get(key, key)
+                info = layout[source]
+                if list(t.shape) != list(info["shape"]):
+                    raise ValueError(f"{model_dir}: {key} has shape {list(t.shape)} in the model, {info['shape']} saved")
+                block, dest = block_of(t), local_tensor(t)
+                filled = 0
+                for piece in info["pieces"]:
+                    where = overlap_slices(list(block.offsets), list(block.shape), piece["offsets"], piece["shape"])
+                    if where is None:
+                        continue
+                    if piece["file"] not in handles:
+                        handles[piece["file"]] = safe_open(str(model_dir / piece["file"]), framework="pt")
+                    stored = handles[piece["file"]]
+                    part = stored.get_slice(source)[where[0]] if where[0] else stored.get_tensor(source)
+                    dest[where[1]].copy_(part)
+                    filled += part.numel()
+                if filled != dest.numel():
+                    raise ValueError(f"{model_dir}: the stored pieces of {source} cover {filled} of the {dest.numel()} elements this rank holds")
+    finally:
+        handles.clear()

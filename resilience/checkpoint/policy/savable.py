@@ -1,0 +1,32 @@
+"""Refusing, before training, a model the configured ``checkpoint.model_save_format`` cannot save.
+
+Checked when the :class:`~resilience.checkpoint.checkpointer.Checkpointer` is made (so at
+``resilient_loop()``), never first found at the first save: a ``DTensor`` parameter with a
+``Partial`` placement (a pending reduction, not values), or shards whose offsets do not tile their
+tensor, cannot be stored piece by piece in ``safetensors``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from resilience.checkpoint.formats import model_io
+from resilience.config import CheckpointConfig, ConfigError
+from resilience.distributed import DistContext
+
+
+def check_savable(config: CheckpointConfig, model: torch.nn.Module, ctx: DistContext) -> None:
+    """Raise when ``model`` cannot be saved under ``config`` (a collective over ``ctx`` for a
+    sharded model: every rank calls it and raises alike).
+
+    Raises:
+        ConfigError: naming ``checkpoint.model_save_format``: see :func:`model_io.save_problem`.
+    """
+    if not (config.enabled and config.enable_save) or config.model_save_format != "safetensors":
+        return
+    problem = model_io.save_problem(model, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object)
+    if problem:
+        raise ConfigError(
+            f"checkpoint.model_save_format=safetensors cannot save this model: {problem}; accepted: parameters that are "
+            "plain tensors or DTensors with Shard/Replicate placements (redistribute the others before training)"
+        )
