@@ -65,14 +65,15 @@ def plan_bundle(model_dir: Path, cast_dtype: str | None = None) -> BundlePlan:
     counts = {t.num_files for t in pieces.values()}
     if len(counts) > 1:
         raise ConsolidateError(f"{model_dir}: the shard files name {sorted(counts)} output files (-of-0000N); one checkpoint's shards agree")
-    recorded = _recorded_originals(model_dir)
+    recorded = _recorded_tensors(model_dir)
+    _check_against_index(model_dir, pieces, recorded)
     layout = {
         key: {
             "dtype": t.dtype,
             "shape": list(t.shape),
             "file_index": t.file_index,
             "num_files": t.num_files,
-            "original_dtype": recorded.get(key) or t.original_dtype,
+            "original_dtype": recorded.get(key, {}).get("original_dtype") or t.original_dtype,
         }
         for key, t in pieces.items()
     }
@@ -167,10 +168,25 @@ def _advance(bar: Any, nbytes: int, name: str) -> None:
         log.info("consolidated %s", name)
 
 
-def _recorded_originals(model_dir: Path) -> dict[str, str]:
-    """``{key: original dtype}`` from ``shard_index.json``'s ``tensors`` (empty when absent)."""
+def _recorded_tensors(model_dir: Path) -> dict[str, dict[str, Any]]:
+    """``shard_index.json``'s ``tensors`` (``{key: {"shape", "original_dtype", ...}}``; empty when absent)."""
     try:
         tensors = json.loads((model_dir / SHARD_INDEX).read_text()).get("tensors") or {}
     except (OSError, ValueError, AttributeError):
         return {}
-    return {key: info["original_dtype"] for key, info in tensors.items() if isinstance(info, dict) and info.get("original_dtype")}
+    return {key: info for key, info in tensors.items() if isinstance(info, dict)} if isinstance(tensors, dict) else {}
+
+
+def _check_against_index(model_dir: Path, pieces: dict[str, Any], recorded: dict[str, dict[str, Any]]) -> None:
+    """Headers alone cannot see a shard file that is missing whole: its tensors, or the last
+    block of a tensor with no recorded global shape, just vanish. ``shard_index.json``'s keys
+    and shapes, when recorded, catch both."""
+    missing = sorted(set(recorded) - set(pieces))
+    if missing:
+        raise ConsolidateError(
+            f"{model_dir}: {SHARD_INDEX} lists {len(missing)} tensors no shard file holds ({', '.join(missing[:5])}); is a shard file missing?"
+        )
+    for key, info in recorded.items():
+        shape = info.get("shape")
+        if isinstance(shape, list) and tuple(shape) != pieces[key].shape:
+            raise ConsolidateError(f"{key}: {SHARD_INDEX} gives shape {shape}, its pieces {list(pieces[key].shape)}; is a shard file missing?")

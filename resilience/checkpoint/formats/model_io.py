@@ -131,6 +131,11 @@ def save_model(
     )
 
 
+def is_sharded_state(state: dict[str, Any]) -> bool:
+    """True when some value of ``state`` is a DTensor (an FSDP2 / tensor-parallel model's)."""
+    return any(isinstance(value, DTensor) for value in state.values())
+
+
 def tied_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
     """``{alias: canonical}`` for the keys of ``state`` that are the very same tensor as another
     key (same storage, offset, shape, strides and dtype: tied weights). Per group of tied keys the
