@@ -108,6 +108,17 @@ def test_a_sharded_fsdp2_save_gets_its_bundle_from_every_ranks_shards_and_it_loa
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
+def test_a_failure_writing_one_ranks_share_of_the_bundle_raises_on_every_rank_and_publishes_nothing(tmp_path):
+    out = sharded_save(tmp_path, "fsdp", 2, "publish", "1")
+    for rank in (0, 1):
+        message = (out / f"failed-rank{rank}.txt").read_text()
+        assert "rank 1: consolidated: OSError" in message and "No space left on device (injected)" in message, message
+        assert "LATEST was not moved" in message
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == []  # no checkpoint, no staging left
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
 def test_consolidating_the_fsdp2_shards_later_writes_the_same_bytes_whatever_the_band_size_or_worker_count(fsdp, tmp_path):
     model_dir = (fsdp / "ckpt" / LATEST).resolve() / "model"
     at_save = model_dir / "consolidated"

@@ -3,7 +3,7 @@ in the file format ``model_save_format: safetensors`` uses for DTensor models: e
 its local pieces into ``model/shard-0000K-model-0000I-of-0000N.safetensors`` with DCP's
 ``DCP_SHARDING_INFO`` (each piece's offsets in the full tensor).
 
-Usage: hf_sharded_save.py OUT_DIR MODE [publish]   (2 ranks; MODE fsdp, tp or 2d (4 ranks))
+Usage: hf_sharded_save.py OUT_DIR MODE [publish [FAIL_RANK]]   (2 ranks; MODE fsdp, tp or 2d (4 ranks))
 
 A tiny Llama from a config (no download) with an odd vocabulary (257: the embedding and the head
 split 129/128, unevenly) is sharded by MODE: ``fsdp`` (FSDP2 ``fully_shard``: every parameter
@@ -82,7 +82,7 @@ def save_shards(staging: Path) -> list[str]:
 def save_with_our_writer() -> None:
     """The shards as a collective part of a checkpoint, beside the bundle part ``checkpoint_parts`` makes."""
     from resilience.checkpoint import parts as checkpoint_parts
-    from resilience.checkpoint.writer import Part, publish, write_checkpoint
+    from resilience.checkpoint.writer import CheckpointSaveError, Part, publish, write_checkpoint
     from resilience.config import config_from_dict
     from resilience.distributed import DistContext
     from resilience.state.training_state import TrainingState
@@ -92,13 +92,24 @@ def save_with_our_writer() -> None:
     made = checkpoint_parts._model_parts(TrainingState(model=model), "periodic", config=ckpt, ctx=ctx, group=ctx.group, root=out, buffers=None)
     assert [p.name for p in made] == ["model", "consolidated"] and made[0].kwargs["consolidated"] is False, made
     assert made[1].after_peers and not made[0].after_peers
-    records = write_checkpoint(ctx, out / "ckpt", "step_1", [Part("shards", save_shards, collective=True), made[1]])
-    if rank == 0:
-        publish(out / "ckpt", "step_1", records, {"global_step": 1})
+    if sys.argv[4:] == [str(rank)]:
+        from resilience.checkpoint.formats import bundle_shards
+
+        def broken(*args, **kwargs):
+            raise OSError(28, "No space left on device (injected)")
+
+        bundle_shards.write_file = broken
+    try:
+        records = write_checkpoint(ctx, out / "ckpt", "step_1", [Part("shards", save_shards, collective=True), made[1]])
+    except CheckpointSaveError as exc:
+        (out / f"failed-rank{rank}.txt").write_text(str(exc))
+    else:
+        if rank == 0:
+            publish(out / "ckpt", "step_1", records, {"global_step": 1})
     ctx.close()
 
 
-if sys.argv[3:] == ["publish"]:
+if sys.argv[3:4] == ["publish"]:
     save_with_our_writer()
 else:
     save_shards(out)
