@@ -20,6 +20,7 @@ import yaml
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from resilience.checkpoint.formats import hf_export, model_io, optim_io, pieces
+from resilience.checkpoint.formats.bundle_shards import write_bundle_share
 from resilience.checkpoint.formats.extra_state import save_extra_state
 from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, RNG_DIR, STEP_SCHEDULER, TRASH_PREFIX, dataloader_rank_file, rng_rank_file
 from resilience.checkpoint.policy.lowest_val import json_safe
@@ -63,7 +64,7 @@ def checkpoint_parts(
         if buffers is not None:
             tensors = buffers.copy_in(tensors, prefix="optim.")
         parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), {"rank": rank, "group": group}, by="all ranks"))
-    parts.append(_model_part(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers))  # every rank writes its shard
+    parts += _model_parts(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers)  # every rank writes its shard
     if rank == 0:
         if state.lr_scheduler is not None:
             parts.append(_json_part("lr_scheduler", LR_SCHEDULER, optim_io.lr_scheduler_json(state.lr_scheduler)))
@@ -90,9 +91,11 @@ def epoch_of(scheduler: StepScheduler) -> int:
     return scheduler.epoch - 1 if scheduler.batches_in_epoch == 0 and scheduler.epoch > 0 else scheduler.epoch
 
 
-def _model_part(
+def _model_parts(
     state: TrainingState, reason: str, *, config: CheckpointConfig, ctx: DistContext, group: Any, root: Path, buffers: StagingBuffers | None
-) -> Part:
+) -> list[Part]:
+    """The model's part; with a Hugging Face bundle of a sharded (DTensor) model, also the part that
+    streams it from every rank's shards once they are all written (no rank holds the full model)."""
     fmt, when = config.model_save_format, config.save_consolidated
     consolidated = when == "every" or (when == "final" and reason == "final")
     if hf_export.is_peft_model(state.model):
@@ -100,8 +103,12 @@ def _model_part(
         # reads the live weights); the background part only moves them into the checkpoint.
         held = root / f"{TRASH_PREFIX}adapter_{uuid.uuid4().hex[:8]}"  # cleaned up at start if left
         written = model_io.save_model(held, state.model, rank=ctx.rank, tokenizer=state.tokenizer) if ctx.rank == 0 else []
-        return Part("model", _move_in, (held, written), by="rank 0")  # the other ranks move in nothing
+        return [Part("model", _move_in, (held, written), by="rank 0")]  # the other ranks move in nothing
     tensors = get_model_state_dict(state.model)
+    bundle = []
+    if consolidated and fmt == "safetensors" and pieces.is_sharded(tensors):
+        consolidated = False  # the model part writes the shards only; this part the bundle, after them
+        bundle = [Part("consolidated", write_bundle_share, (), {"rank": ctx.rank, "world_size": ctx.world_size}, by="each rank", after_peers=True)]
     # Tied keys are found on the live tensors (a snapshot's separate copies no longer share) and
     # are neither copied nor written: the tensor is stored once, the tie recorded.
     aliases = model_io.tied_aliases(state.model, tensors) if fmt == "safetensors" else {}
@@ -111,7 +118,7 @@ def _model_part(
     plan = pieces.make_plan(tensors, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object) if fmt == "safetensors" else None
     if buffers is not None:
         tensors = buffers.copy_in(tensors, prefix="model.")
-    return Part(
+    model = Part(
         "model",
         model_io.save_model,
         (state.model,),
@@ -128,6 +135,7 @@ def _model_part(
         },
         by="all ranks" if fmt == "torch_save" else "each rank",
     )
+    return [model, *bundle]
 
 
 def _common(state: TrainingState, scheduler: StepScheduler, global_batch_size: int | None) -> dict[str, Any]:

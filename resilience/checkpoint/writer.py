@@ -9,7 +9,9 @@ then :func:`raise_publish_verdict`):
    every file it wrote (most while writing them); local parts on a worker thread beside the
    collective ones (DCP). Collective parts run on every rank even after a local failure, so
    no peer is left waiting in them.
-3. The file lists and errors are all-gathered: one failure anywhere raises on every rank.
+3. The file lists and errors are all-gathered: one failure anywhere raises on every rank. Parts
+   that read every rank's files (``after_peers``: a sharded model's Hugging Face bundle) run
+   then, and their outcome is all-gathered again.
 4. Rank 0 writes ``manifest.json`` last, fsyncs every directory, renames the staging directory
    into place, fsyncs the root, and only then swaps ``LATEST``. Its success or failure (and that
    of the steps after it: ``LOWEST_VAL``, retention) is all-gathered too.
@@ -61,6 +63,10 @@ class Part:
     ``by`` says who writes it: ``"each rank"`` (its own files: model shard, RNG, data
     position), ``"rank 0"`` (the run's records, built on rank 0 only) or ``"all ranks"`` (one
     collective write, DCP: every rank runs it, in the same order, after its own parts).
+    ``after_peers`` parts run once every rank's other parts are durable, for a part that reads
+    files other ranks wrote (the Hugging Face bundle of a sharded model, streamed from every
+    rank's shards); every rank must have the same number of them (they end with one more
+    all-gather).
     """
 
     name: str
@@ -68,6 +74,7 @@ class Part:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     by: Literal["each rank", "rank 0", "all ranks"] = "each rank"
+    after_peers: bool = False
 
     @property
     def collective(self) -> bool:
@@ -123,10 +130,14 @@ def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part])
             error = _describe(exc)
     ctx.gather_or_raise(error, fail=_failed(name, "creating the staging directory"))
 
-    # 2. every rank writes its parts, fsyncs and digests them
-    records, error = _write_parts(staging, parts)
+    # 2. every rank writes its parts, fsyncs and digests them; then those that read them all
+    records, error = _write_parts(staging, [p for p in parts if not p.after_peers])
     try:
         gathered = ctx.gather_or_raise(error, records, fail=_failed(name, "writing files"))
+        late = [p for p in parts if p.after_peers]
+        if late:
+            records, error = _run_parts(staging, late, stop_at_error=True)
+            gathered += ctx.gather_or_raise(error, records, fail=_failed(name, "writing files from every rank's files"))
     except CheckpointSaveError:
         if ctx.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)

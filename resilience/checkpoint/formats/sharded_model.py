@@ -49,13 +49,7 @@ def read_layout(model_dir: Path) -> dict[str, dict[str, Any]]:
             key: {**info, "shard": index["weight_map"].get(key), "num_files": index["num_files"], "pieces": pieces_of(index, key)}
             for key, info in index["tensors"].items()
         }
-    if (model_dir / ADAPTER_CONFIG).is_file():
-        raise ConsolidateError(f"{model_dir} holds PEFT adapters: they are already a Hugging Face bundle (load it with peft)")
-    if (model_dir / DCP_METADATA).is_file():
-        raise ConsolidateError(f"{model_dir} holds a DCP model (model_save_format: torch_save); consolidation needs model_save_format: safetensors")
-    shards = sorted(model_dir.glob(MODEL_SHARD_GLOB))
-    if not shards:
-        raise ConsolidateError(f"{model_dir}: no {SHARD_INDEX} and no {MODEL_SHARD_GLOB} files")
+    shards = shard_files(model_dir)
     layout = {}
     for shard in shards:
         _, _, _, file_index, _, num_files = shard.stem.split("-")
@@ -73,6 +67,23 @@ def read_layout(model_dir: Path) -> dict[str, dict[str, Any]]:
                     "pieces": [{"file": shard.name, "offsets": [0] * len(info["shape"]), "shape": info["shape"]}],
                 }
     return layout
+
+
+def shard_files(model_dir: Path) -> list[Path]:
+    """The ``shard-*-model-*-of-*.safetensors`` files of ``model_dir``, sorted by name.
+
+    Raises:
+        ConsolidateError: there are none; the message says what ``model_dir`` holds instead
+            (PEFT adapters, a DCP model, nothing).
+    """
+    shards = sorted(model_dir.glob(MODEL_SHARD_GLOB))
+    if shards:
+        return shards
+    if (model_dir / ADAPTER_CONFIG).is_file():
+        raise ConsolidateError(f"{model_dir} holds PEFT adapters: they are already a Hugging Face bundle (load it with peft)")
+    if (model_dir / DCP_METADATA).is_file():
+        raise ConsolidateError(f"{model_dir} holds a DCP model (model_save_format: torch_save); consolidation needs model_save_format: safetensors")
+    raise ConsolidateError(f"{model_dir}: no {MODEL_SHARD_GLOB} files")
 
 
 def read_aliases(model_dir: Path) -> dict[str, str]:

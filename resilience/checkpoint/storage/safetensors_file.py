@@ -66,29 +66,48 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], relpath: str
         ValueError: a non-contiguous tensor.
         OSError: from the writes or the fsync (e.g. ENOSPC); the file is then incomplete.
     """
-    order = sorted(tensors, key=lambda key: (-tensors[key].element_size(), key))
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for key in order:
-        t = tensors[key]
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{key}: dtype {t.dtype} has no safetensors code")
+    for key, t in tensors.items():
         if t.device.type != "cpu":
             raise TypeError(f"{key}: on {t.device}; copy it to the CPU first")
         if not t.is_contiguous():
             raise ValueError(f"{key}: not contiguous")
-        nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text, order = safetensors_header({key: (t.dtype, list(t.shape)) for key, t in tensors.items()}, metadata)
     with DurableFile(path) as out:
-        out.write(struct.pack("<Q", len(text)) + text)
+        out.write(text)
         for key in order:
             t = tensors[key]
             if t.numel():
                 out.write(t.reshape(-1).view(torch.uint8).numpy())
     return out.record(relpath)
+
+
+def safetensors_header(specs: dict[str, tuple[torch.dtype, list[int]]], metadata: dict[str, str] | None = None) -> tuple[bytes, list[str]]:
+    """The length prefix and JSON header of a safetensors file holding tensors of ``specs``
+    (``{key: (dtype, shape)}``), and the order their bytes must follow it in: larger elements
+    first, then by key, so each tensor is aligned to its element size (``save_file``'s layout).
+
+    Raises:
+        TypeError: a dtype safetensors has no code for.
+    """
+    order = sorted(specs, key=lambda key: (-specs[key][0].itemsize, key))
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key in order:
+        dtype, shape = specs[key]
+        if dtype not in _DTYPES:
+            raise TypeError(f"{key}: dtype {dtype} has no safetensors code")
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
+
+
+def dtype_of(code: str) -> torch.dtype | None:
+    """The torch dtype of a safetensors header dtype code (``"BF16"``), ``None`` for one this
+    torch cannot hold (or one only ever named, such as packed ``F4``)."""
+    return _CODES.get(code)
 
 
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
