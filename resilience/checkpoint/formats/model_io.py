@@ -311,10 +311,9 @@ def _save_sharded(
     if hf_export.is_hf_model(model) or tokenizer is not None:
         sidecars = staging / MODEL_HF_METADATA
         written += [f"{MODEL_HF_METADATA}/{rel}" for rel in hf_export.write_hf_metadata(sidecars, model, tokenizer)]
-    if consolidated and pieces.is_sharded(state):
-        # The bundle of a sharded model is built from the shards (no rank holds the full model).
-        log.warning("the Hugging Face bundle of a sharded model is not written with the checkpoint; build it from the shards later")
-    elif consolidated:
+    # A sharded model's bundle is a part of its own (parts.py: after every rank's shards are
+    # durable, streamed from them), so ``consolidated`` is False for it here.
+    if consolidated and not pieces.is_sharded(state):
         layout = sharded_model.read_layout(staging / MODEL_DIR)
         out = staging / MODEL_CONSOLIDATED
         cpu = _cpu_copies(state)
