@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, median, remove
+from bench.stats import median_interval, paired_overhead
 from resilience.exit_codes import ExitCode
 from resilience.launch import launch
 
@@ -31,12 +32,25 @@ def _env() -> dict[str, str]:
 
 
 def bench_agreement(
-    work: Path, *, rounds: int, steps: int, big_k: int, latency_trials: int, saves: int, timeout_s: float, log: Callable[[str], None]
+    work: Path,
+    *,
+    rounds: int,
+    steps: int,
+    big_k: int,
+    latency_trials: int,
+    saves: int,
+    timeout_s: float,
+    log: Callable[[str], None],
+    ab_pairs: int = 100,
+    ab_steps: int = 50,
 ) -> dict[str, Any]:
     """Run :mod:`bench.ddp_worker` on 2 ranks and summarise its blocks.
 
     Returns the raw blocks plus, per variant, the median over rounds of its mean step time and
-    of its overhead over the ``none`` block of the same round (a paired ratio)."""
+    of its overhead over the ``none`` block of the same round (a paired ratio), with the
+    order-statistic interval of that median (:func:`bench.stats.median_interval`); and
+    ``ab``: the default cadence's overhead from ``ab_pairs`` interleaved A/B pairs of
+    ``ab_steps`` steps with its bootstrap interval (:func:`bench.stats.paired_overhead`)."""
     out = work / "ddp_result.json"
     ckpt = work / "ddp_checkpoints"
     remove(out)
@@ -60,6 +74,10 @@ def bench_agreement(
         str(latency_trials),
         "--saves",
         str(saves),
+        "--ab-pairs",
+        str(ab_pairs),
+        "--ab-steps",
+        str(ab_steps),
     ]
     with launch(cmd, 2, env=_env(), failure_grace_s=5.0) as group:
         try:
@@ -81,7 +99,15 @@ def bench_agreement(
             "boundary_call_s": median([row.get("boundary_mean_s", 0.0) for row in rows]),
             "overhead_fraction": median(overheads),
             "overhead_fraction_rounds": overheads,
+            "overhead_interval": median_interval(overheads),
         }
+    pairs = raw.get("ab_pairs", [])
+    ab = paired_overhead([row["ours_auto"] for row in pairs], [row["none"] for row in pairs])
+    ab.update(
+        steps_per_block=raw.get("ab_steps_per_block"),
+        step_s={"none": median([row["none"] for row in pairs]), "ours_auto": median([row["ours_auto"] for row in pairs])},
+        boundary_call_s=median([row["ours_auto_boundary_s"] for row in pairs]),
+    )
     latency = {
         k: {
             "seconds": median([t["seconds"] for t in trials]),
@@ -92,7 +118,7 @@ def bench_agreement(
         }
         for k, trials in raw["stop_latency"].items()
     }
-    return {"variants": summary, "stop_latency": latency, "save_s": median(raw["save_s"]), "save_s_all": raw["save_s"], "raw": raw}
+    return {"variants": summary, "ab": ab, "stop_latency": latency, "save_s": median(raw["save_s"]), "save_s_all": raw["save_s"], "raw": raw}
 
 
 def _pointer(root: Path) -> str | None:
