@@ -19,8 +19,8 @@ What is measured, from the wall clock of this process and the rows rank 0 append
   (the next start to its first row: process start, imports, rendezvous, choosing and loading the
   checkpoint, one step), ``steps_redone`` (steps logged before the exit past the checkpoint the
   next start resumed from: its first row's step - 1; must be 0), and ``preemption_cost_s``: the
-  training time lost, from the signal to the next start's first row, minus the steps first
-  trained in that window x the step time;
+  training time lost, from the signal to the next start's first step not trained before, minus
+  the steps first trained in that window x the step time;
 * the budget ``save_s + load_s + 2 s`` (one save and one load of the example's state, measured
   here on one rank, plus an allowance for starting the processes).
 """
@@ -229,11 +229,14 @@ def summarise(segments: list[dict[str, Any]], period_s: float) -> dict[str, Any]
     wall = segments[-1]["exited"] - segments[0]["launched"]
     useful = len(first_seen) * step_s
     preemptions = []
+    seen: set[int] = set()
     for before, after in zip(segments, segments[1:]):
+        seen.update(step for step, _ in before["rows"])
         last_logged = before["rows"][-1][0] if before["rows"] else before["resume_step"]
         first_next = after["rows"][0] if after["rows"] else None
         resumed_from = first_next[0] - 1 if first_next else after["resume_step"]
-        end = first_next[1] if first_next else after["exited"]
+        # the window ends at the next start's first step not trained before (redone ones are lost time)
+        end = next((at for step, at in after["rows"] if step not in seen), after["exited"])
         new_in_window = sum(1 for at in first_seen.values() if before["signalled"] <= at <= end)
         window = end - before["signalled"]
         preemptions.append(
