@@ -106,7 +106,8 @@ def _entry(key: str, rounds: list[float], **raw: Any) -> dict[str, Any]:
 
 def _save(out: dict[str, Any], save: dict[str, Any]) -> None:
     t, state = save["times"], save["state_bytes"]
-    common = {"ours_s": median(t["ours"]), "state_bytes": state, "bytes_written": save["bytes_written"], "ours_s_all": t["ours"]}
+    cpu = {name: median(v) for name, v in save.get("cpu_s", {}).items()}  # CPU-s of each method: what a busy neighbour takes from
+    common = {"ours_s": median(t["ours"]), "state_bytes": state, "bytes_written": save["bytes_written"], "ours_s_all": t["ours"], "cpu_s": cpu}
     for key, peer in (("save_vs_disk", "disk"), ("save_vs_torch_save", "torch_save"), ("save_vs_dcp", "dcp")):
         out[key] = _entry(key, _ratios(t[peer], t["ours"]), **common, **{f"{peer}_s": median(t[peer]), f"{peer}_s_all": t[peer]})
 
@@ -118,6 +119,7 @@ def _load(out: dict[str, Any], load: dict[str, Any]) -> None:
         "ours_validate_s": median(t["ours_validate"]),
         "state_bytes": load["state_bytes"],
         "bytes_read": load["bytes_read"],
+        "cpu_s": {name: median(v) for name, v in load.get("cpu_s", {}).items()},
     }
     resume = median_interval(_ratios(t["disk"], [a + b for a, b in zip(t["ours"], t["ours_validate"])]))
     out["load_vs_disk"] = _entry(

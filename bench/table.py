@@ -47,6 +47,12 @@ def _missing(label: str, f: dict[str, Any]) -> Row:
     return (label, "n/a", "", "", f.get("target") or "", f.get("error", f.get("status", "n/a")))
 
 
+def _cpu(f: dict[str, Any], method: str) -> str:
+    """``, CPU 1.23 s`` (this process's CPU time for ``method``, all threads) or nothing."""
+    seconds = (f.get("cpu_s") or {}).get(method)
+    return f", CPU {_s(seconds)}" if seconds is not None else ""
+
+
 def _storage_rows(fig: dict[str, Any], state: int) -> list[Row]:
     rows: list[Row] = []
     f = fig["save_vs_disk"]
@@ -55,8 +61,8 @@ def _storage_rows(fig: dict[str, Any], state: int) -> list[Row]:
     rows.append(
         (
             f"sync save, {human_bytes(state)} state",
-            f"{_s(f['ours_s'])} ({_rate(state, f['ours_s'])})",
-            f"disk write+fsync {_s(f['disk_s'])} ({_rate(state, f['disk_s'])})",
+            f"{_s(f['ours_s'])} ({_rate(state, f['ours_s'])}{_cpu(f, 'ours')})",
+            f"disk write+fsync {_s(f['disk_s'])} ({_rate(state, f['disk_s'])}{_cpu(f, 'disk')})",
             _x(f["value"], "{:.2f} of disk") + _ci(f),
             f["target"],
             _verdict(f["pass"]),
@@ -87,8 +93,8 @@ def _load_rows(fig: dict[str, Any], state: int) -> list[Row]:
     rows: list[Row] = [
         (
             "load for resume (cold)",
-            f"{_s(f['ours_s'])} ({_rate(state, f['ours_s'])})",
-            f"disk cold read {_s(f['disk_s'])} ({_rate(state, f['disk_s'])})",
+            f"{_s(f['ours_s'])} ({_rate(state, f['ours_s'])}{_cpu(f, 'ours')})",
+            f"disk cold read {_s(f['disk_s'])} ({_rate(state, f['disk_s'])}{_cpu(f, 'disk')})",
             _x(f["value"], "{:.2f} of disk") + _ci(f),
             f["target"],
             _verdict(f["pass"]),
@@ -99,7 +105,9 @@ def _load_rows(fig: dict[str, Any], state: int) -> list[Row]:
         ("load_vs_dcp", "load vs DCP load", "dcp_s", "DCP load"),
     ):
         g = fig[key]
-        rows.append((label, _s(g["ours_s"]), f"{name} {_s(g[peer])}", _x(g["value"], "{:.2f}x as fast") + _ci(g), g["target"], _verdict(g["pass"])))
+        cpu = _cpu(g, peer.removesuffix("_s"))
+        anchor = f"{name} {_s(g[peer])}" + (f" ({cpu.removeprefix(', ')})" if cpu else "")
+        rows.append((label, _s(g["ours_s"]), anchor, _x(g["value"], "{:.2f}x as fast") + _ci(g), g["target"], _verdict(g["pass"])))
     rows.append(
         (
             "resume = choose (manifests, sizes) + load (digests checked while reading)",
