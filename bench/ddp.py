@@ -26,7 +26,8 @@ from resilience.launch import launch
 EXAMPLE = REPO / "examples" / "digits"
 
 
-def _env() -> dict[str, str]:
+def rank_env() -> dict[str, str]:
+    """What a bench rank needs on top of the environment: this repository on PYTHONPATH, one OpenMP thread."""
     path = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""), "OMP_NUM_THREADS": "1"}
 
@@ -79,7 +80,7 @@ def bench_agreement(
         "--ab-steps",
         str(ab_steps),
     ]
-    with launch(cmd, 2, env=_env(), failure_grace_s=5.0) as group:
+    with launch(cmd, 2, env=rank_env(), failure_grace_s=5.0) as group:
         try:
             code = group.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -142,7 +143,9 @@ def interpreter_teardown(trials: int, cases: tuple[str, ...] = ("plain", "gc_fre
         extra, end = variants[name]
         times = []
         for _ in range(trials):
-            proc = subprocess.Popen([sys.executable, "-c", body.format(extra=extra, end=end)], stdout=subprocess.PIPE, text=True, env={**os.environ, **_env()})
+            proc = subprocess.Popen(
+                [sys.executable, "-c", body.format(extra=extra, end=end)], stdout=subprocess.PIPE, text=True, env={**os.environ, **rank_env()}
+            )
             line = proc.stdout.readline()
             proc.wait()
             ended = time.monotonic()
@@ -181,7 +184,7 @@ def signal_to_exit(work: Path, *, mode: str, after_steps: int, timeout_s: float,
     ]
     rows = root / "training.jsonl"
     exited: dict[int, float] = {}
-    with launch(cmd, 2, env=_env(), failure_grace_s=5.0) as group:
+    with launch(cmd, 2, env=rank_env(), failure_grace_s=5.0) as group:
         deadline = time.monotonic() + timeout_s
         while _count_lines(rows) < after_steps:
             if time.monotonic() > deadline or group.poll() is not None:

@@ -39,16 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, drop_cache, median, remove, timed
+from bench.ddp import EXAMPLE, rank_env
 from resilience.exit_codes import ExitCode
 
-EXAMPLE = REPO / "examples" / "digits"
 PROCESS_START_ALLOWANCE_S = 2.0
 POLL_S = 0.01
-
-
-def _env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""), "OMP_NUM_THREADS": "1"}
 
 
 def _latest_step(root: Path) -> int:
@@ -119,7 +114,7 @@ def _launch(root: Path, extra: list[str], log_path: Path) -> subprocess.Popen:
         *extra,
     ]
     with open(log_path, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **rank_env()}, cwd=REPO)
 
 
 def _segment(root: Path, extra: list[str], period_s: float | None, timeout_s: float, log_path: Path) -> dict[str, Any]:
