@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["meta"] = {**meta, **({"loaded": doc["meta"]["loaded"]} if "loaded" in doc["meta"] else {})}
             doc["details"] = details
         _print(fig, meta, results, args.repeat, loaded)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1, default=str) + "\n")  # after each pass: a broken second one keeps the first
     print(f"\nJSON: {out}")
     return 1 if failed else 0
 

@@ -100,7 +100,7 @@ class DigitsRun:
         return loss.item()
 
 
-def ab_phase(run: DigitsRun, side, rank: int, counter: list[int], pairs: int, steps: int, warmup: int, make_agreement) -> list[dict[str, float]]:
+def ab_phase(run: DigitsRun, rank: int, counter: list[int], pairs: int, steps: int, warmup: int, make_agreement) -> list[dict[str, float]]:
     """``pairs`` pairs of timed blocks of ``steps`` steps, without (``none``) and with the default
     agreement (``ours_auto``), in ABBA order so a linear drift cancels within two pairs.
 
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"ddp round {r + 1}/{args.rounds}: " + ", ".join(f"{v} {per_block[v][-1]['mean_s'] * 1e3:.2f} ms" for v in variants), flush=True)
 
-    ab_pairs = ab_phase(run, side, rank, counter, args.ab_pairs, args.ab_steps, args.warmup, make_agreement)
+    ab_pairs = ab_phase(run, rank, counter, args.ab_pairs, args.ab_steps, args.warmup, make_agreement)
 
     # -- stop latency: os.kill of rank `world - 1` by rank 0, at a random moment ---------------
     pids = [None] * world

@@ -183,14 +183,17 @@ def run_case(work: Path, period_s: float, preemptions: int, *, timeout_s: float,
         )
         if seg["code"] == 0:
             break
-        if seg["code"] != int(ExitCode.PREEMPTED):
-            raise RuntimeError(f"a start of the digits example exited {seg['code']} (log: {log_path}):\n{_tail(log_path)}")
+        if seg["code"] != int(ExitCode.PREEMPTED) or seg["signalled"] is None:
+            raise RuntimeError(
+                f"a start of the digits example exited {seg['code']} (signalled: {seg['signalled'] is not None}; log: {log_path}):\n{_tail(log_path)}"
+            )
         if len(segments) > preemptions + 2:
             raise RuntimeError(f"the digits run did not finish after {len(segments)} starts (log: {log_path})")
         if len(segments) == 1:
             extra = [f"step_scheduler.max_steps={_calibrated_max_steps(seg, period_s, preemptions)}"]
     out = summarise(segments, period_s)
-    out["all_steps_logged_once"] = _logged_steps(root) == list(range(1, len(_logged_steps(root)) + 1))
+    logged = _logged_steps(root)
+    out["all_steps_logged_once"] = logged == list(range(1, len(logged) + 1))  # the final log: each step once, in order
     remove(root)
     remove(log_path)
     return out
