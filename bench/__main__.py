@@ -167,6 +167,7 @@ def run_pass(args: argparse.Namespace, argv: list[str] | None, log: Callable[[st
                 log=log,
                 ab_pairs=3 if quick else 100,
                 ab_steps=10 if quick else 50,
+                ab_max_s=0.0 if quick else 300.0,
             ),
         )
         section(

@@ -44,14 +44,16 @@ def bench_agreement(
     log: Callable[[str], None],
     ab_pairs: int = 100,
     ab_steps: int = 50,
+    ab_max_s: float = 0.0,
 ) -> dict[str, Any]:
     """Run :mod:`bench.ddp_worker` on 2 ranks and summarise its blocks.
 
     Returns the raw blocks plus, per variant, the median over rounds of its mean step time and
     of its overhead over the ``none`` block of the same round (a paired ratio), with the
     order-statistic interval of that median (:func:`bench.stats.median_interval`); and
-    ``ab``: the default cadence's overhead from ``ab_pairs`` interleaved A/B pairs of
-    ``ab_steps`` steps with its bootstrap interval (:func:`bench.stats.paired_overhead`)."""
+    ``ab``: the default cadence's overhead from at least ``ab_pairs`` interleaved A/B pairs of
+    ``ab_steps`` steps (more, for up to ``ab_max_s`` seconds, until the interval is about
+    +-0.4 % wide) with its bootstrap interval (:func:`bench.stats.paired_overhead`)."""
     out = work / "ddp_result.json"
     ckpt = work / "ddp_checkpoints"
     remove(out)
@@ -79,6 +81,8 @@ def bench_agreement(
         str(ab_pairs),
         "--ab-steps",
         str(ab_steps),
+        "--ab-max-seconds",
+        str(ab_max_s),
     ]
     with launch(cmd, 2, env=rank_env(), failure_grace_s=5.0) as group:
         try:
