@@ -30,8 +30,9 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest
 
+# Twice: on the machine as it is, then beside one CPU-busy process (bench/results/latest.json: loaded.*).
 bench: $(STAMP)
-	$(PY) -m bench
+	$(PY) -m bench --load
 
 clean:
 	rm -rf $(VENV) runs

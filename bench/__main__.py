@@ -3,11 +3,14 @@
     python -m bench                    # ~1 GiB fp32 model + Adam state (3 GiB), 5 rounds
     python -m bench --size 256M --repeat 3
     python -m bench --quick            # a tiny smoke run (the test suite's)
-    python -m bench --only save,load   # some sections: save, load, rss, async, agreement, exit
+    python -m bench --only save,load   # some sections: save, load, rss, async, agreement, exit, goodput
+    python -m bench --load             # twice: quiet, then beside a CPU-bound neighbour (loaded.*)
+    python -m bench --load-only        # only the pass beside the neighbour, merged into --out
 
 Progress goes to stderr; the table (and the breakdown of our save and load) to stdout; the
-figures, with the raw times (s) and sizes (bytes) beside them, to ``bench/results/latest.json``
-(``--out``). Targets are printed with PASS/MISS; nothing is asserted.
+figures, with their rounds, 95 % intervals, raw times (s) and sizes (bytes) beside them, to
+``bench/results/latest.json`` (``--out``); the pass beside a busy neighbour under the same keys
+prefixed ``loaded.``. Targets are printed with PASS/MISS; nothing is asserted.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("save", "load", "rss", "async", "agreement", "exit")
+SECTIONS = ("save", "load", "rss", "async", "agreement", "exit", "goodput")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,7 +41,22 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "latest.json"), help="where the JSON goes")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections to run ({','.join(SECTIONS)})")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the timed phases of our save and load")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--load", action="store_true", help="run every section twice: quiet, then beside one CPU-busy process (keys loaded.*)")
+    load.add_argument("--load-only", action="store_true", help="only the pass beside the busy process; its loaded.* keys replace those in --out")
+    parser.add_argument("--goodput-periods", default=None, help="seconds between preemptions, comma-separated (default 10,30; --quick 3)")
+    parser.add_argument("--goodput-preemptions", type=int, default=None, help="preemptions per period (default 3; --quick 1)")
     args = parser.parse_args(argv)
+    try:
+        args.goodput_periods = tuple(float(x) for x in (args.goodput_periods or ("3" if args.quick else "10,30")).split(",") if x.strip())
+    except ValueError:
+        parser.error(f"--goodput-periods: expected seconds separated by commas (10,30), got {args.goodput_periods!r}")
+    if not args.goodput_periods or min(args.goodput_periods) <= 0:
+        parser.error("--goodput-periods: expected at least one period > 0 s")
+    if args.goodput_preemptions is None:
+        args.goodput_preemptions = 1 if args.quick else 3
+    if args.goodput_preemptions < 1:
+        parser.error(f"--goodput-preemptions: must be >= 1, got {args.goodput_preemptions}")
     try:
         args.size = parse_size(args.size or ("4M" if args.quick else "1G"))
     except ValueError as exc:
@@ -56,17 +74,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _args(argv)
+def run_pass(args: argparse.Namespace, argv: list[str] | None, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """Every section of ``args.only`` once: ``(results, meta, failed)`` (raw results per section)."""
     import torch
 
-    from bench import report
     from bench.common import build_state, filesystem_of, human_bytes, nbytes, remove, state_tensors
 
-    def log(message: str) -> None:
-        print(f"bench: {message}", file=sys.stderr, flush=True)
-
-    _remove_stale_runs(Path(args.dir).absolute())
+    only = list(args.only)
     run_dir = Path(args.dir).absolute() / f"run-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
     mount, fstype = filesystem_of(run_dir)
@@ -94,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def section(name: str, fn: Callable[[], Any]) -> None:
         nonlocal failed
-        if name not in args.only:
+        if name not in only:
             return
         t0 = time.perf_counter()
         load0 = os.getloadavg()[0]
@@ -111,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         model = optimizer = None
-        if set(args.only) & {"save", "load", "rss", "async"}:
+        if set(only) & {"save", "load", "rss", "async"}:
             log(f"building a {human_bytes(args.size)} fp32 model and its Adam state ...")
             model, optimizer = build_state(args.size)
             tensors = state_tensors(model, optimizer)
@@ -127,14 +141,14 @@ def main(argv: list[str] | None = None) -> int:
                 storage.bench_load(run_dir, model, optimizer, args.repeat, log) if "error" not in results.get("save", {}) else _raise("the save section failed")
             ),
         )
-        if model is not None and not args.no_breakdown and "save" in args.only:
-            args.only.append("breakdown")
+        if model is not None and not args.no_breakdown and "save" in only:
+            only.append("breakdown")
             section("breakdown", lambda: storage.breakdown(run_dir, model, optimizer))
         for name in ("raw.bin", "ours", "torch_save.pt", "dcp", "state.safetensors"):
             remove(run_dir / name)
         # Peak memory barely varies between runs, and each costs a full save: at most 3 rounds.
         section("rss", lambda: storage.bench_peak_rss(run_dir, model, optimizer, min(args.repeat, 3), log))
-        if "async" in args.only:
+        if "async" in only:
             from bench import async_save
 
             section("async", lambda: async_save.bench_async(run_dir, model, optimizer, args.repeat, log))
@@ -151,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                 saves=1 if quick else 3,
                 timeout_s=120 if quick else 900,
                 log=log,
+                ab_pairs=3 if quick else 100,
+                ab_steps=10 if quick else 50,
+                ab_max_s=0.0 if quick else 300.0,
             ),
         )
         section(
@@ -165,6 +182,15 @@ def main(argv: list[str] | None = None) -> int:
                 teardown_cases=("plain",) if quick else ("plain", "gc_freeze", "os_exit"),
             ),
         )
+        if "goodput" in only:
+            from bench import goodput
+
+            section(
+                "goodput",
+                lambda: goodput.bench_goodput(
+                    run_dir, periods=args.goodput_periods, preemptions=args.goodput_preemptions, timeout_s=300 if quick else 900, log=log
+                ),
+            )
     finally:
         remove(run_dir)
         try:
@@ -172,27 +198,71 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
 
-    fig = report.figures(results)
     meta["seconds"] = time.perf_counter() - started
     meta["loadavg_at_end"] = os.getloadavg()
-    doc = {**fig, "meta": meta, "details": {name: _jsonable(value) for name, value in results.items()}}
+    return results, meta, failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    from bench import report
+    from bench.neighbour import busy_neighbour
+
+    def log(message: str) -> None:
+        print(f"bench: {message}", file=sys.stderr, flush=True)
+
+    _remove_stale_runs(Path(args.dir).absolute())
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    doc: dict[str, Any] = {"meta": {}, "details": {}}
+    if args.load_only and out.exists():  # merge: keep the quiet pass, replace the loaded one
+        doc = {k: v for k, v in json.loads(out.read_text()).items() if not k.startswith(report.LOADED_PREFIX)}
+        doc.setdefault("meta", {}).pop("loaded", None)
+        doc.setdefault("details", {}).pop("loaded", None)
+    failed = False
+    for loaded in [True] if args.load_only else [False, True] if args.load else [False]:
+        if loaded:
+            log("=== the same sections beside one CPU-busy process (keys loaded.*) ===")
+            with busy_neighbour() as neighbour:
+                results, meta, broke = run_pass(args, argv, log)
+            meta["neighbour"] = neighbour
+        else:
+            results, meta, broke = run_pass(args, argv, log)
+        failed = failed or broke
+        fig = report.figures(results)
+        details = {name: _jsonable(value) for name, value in results.items()}
+        if loaded:
+            doc.update(report.prefixed(fig))
+            doc["meta"]["loaded"], doc["details"]["loaded"] = meta, details
+        else:
+            doc.update(fig)
+            doc["meta"] = {**meta, **({"loaded": doc["meta"]["loaded"]} if "loaded" in doc["meta"] else {})}
+            doc["details"] = details
+        _print(fig, meta, results, args.repeat, loaded)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1, default=str) + "\n")  # after each pass: a broken second one keeps the first
+    print(f"\nJSON: {out}")
+    return 1 if failed else 0
+
+
+def _print(fig: dict[str, Any], meta: dict[str, Any], results: dict[str, Any], repeat: int, loaded: bool) -> None:
+    """The markdown table of one pass (and the breakdown of our save and load)."""
+    from bench import table
+    from bench.common import human_bytes
 
     state = meta.get("state_bytes")
     title = f"State: {human_bytes(state)} fp32 in {meta.get('state_tensors')} tensors (model + Adam)" if state else "State: n/a"
-    print(f"## Benchmarks ({meta['started_at']}, {meta['cpus']} CPUs, torch {meta['torch']}, {fstype} at {mount})\n")
+    fs = meta["filesystem"]
+    beside = ", beside one CPU-busy process (JSON keys loaded.*)" if loaded else ""
+    print(f"## Benchmarks{beside} ({meta['started_at']}, {meta['cpus']} CPUs, torch {meta['torch']}, {fs['type']} at {fs['mount']})\n")
     print(
-        f"{title}; medians of {args.repeat} round(s), each ratio paired with its anchor in the same round; "
-        f"load average {meta['loadavg_at_start'][0]:.1f} at the start, {meta['loadavg_at_end'][0]:.1f} at the end.\n"
+        f"{title}; medians of {repeat} round(s), each ratio paired with its anchor in the same round, 95 % intervals in brackets "
+        f"with their coverage; load average {meta['loadavg_at_start'][0]:.1f} at the start, {meta['loadavg_at_end'][0]:.1f} at the end.\n"
     )
-    print(report.table(fig, meta))
+    print(table.table(fig, meta))
     if isinstance(results.get("breakdown"), dict) and "save" in results["breakdown"]:
         print("\nWhere our save and load spend their time (one run, phases nest):\n")
-        print(report.breakdown_table(results["breakdown"]))
-    print(f"\nJSON: {out}")
-    return 1 if failed else 0
+        print(table.breakdown_table(results["breakdown"]))
+    print()
 
 
 def _remove_stale_runs(workdir: Path) -> None:

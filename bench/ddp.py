@@ -19,24 +19,41 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, median, remove
+from bench.stats import median_interval, paired_overhead
 from resilience.exit_codes import ExitCode
 from resilience.launch import launch
 
 EXAMPLE = REPO / "examples" / "digits"
 
 
-def _env() -> dict[str, str]:
+def rank_env() -> dict[str, str]:
+    """What a bench rank needs on top of the environment: this repository on PYTHONPATH, one OpenMP thread."""
     path = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""), "OMP_NUM_THREADS": "1"}
 
 
 def bench_agreement(
-    work: Path, *, rounds: int, steps: int, big_k: int, latency_trials: int, saves: int, timeout_s: float, log: Callable[[str], None]
+    work: Path,
+    *,
+    rounds: int,
+    steps: int,
+    big_k: int,
+    latency_trials: int,
+    saves: int,
+    timeout_s: float,
+    log: Callable[[str], None],
+    ab_pairs: int = 100,
+    ab_steps: int = 50,
+    ab_max_s: float = 0.0,
 ) -> dict[str, Any]:
     """Run :mod:`bench.ddp_worker` on 2 ranks and summarise its blocks.
 
     Returns the raw blocks plus, per variant, the median over rounds of its mean step time and
-    of its overhead over the ``none`` block of the same round (a paired ratio)."""
+    of its overhead over the ``none`` block of the same round (a paired ratio), with the
+    order-statistic interval of that median (:func:`bench.stats.median_interval`); and
+    ``ab``: the default cadence's overhead from at least ``ab_pairs`` interleaved A/B pairs of
+    ``ab_steps`` steps (more, for up to ``ab_max_s`` seconds, until the interval is about
+    +-0.4 % wide) with its bootstrap interval (:func:`bench.stats.paired_overhead`)."""
     out = work / "ddp_result.json"
     ckpt = work / "ddp_checkpoints"
     remove(out)
@@ -60,8 +77,14 @@ def bench_agreement(
         str(latency_trials),
         "--saves",
         str(saves),
+        "--ab-pairs",
+        str(ab_pairs),
+        "--ab-steps",
+        str(ab_steps),
+        "--ab-max-seconds",
+        str(ab_max_s),
     ]
-    with launch(cmd, 2, env=_env(), failure_grace_s=5.0) as group:
+    with launch(cmd, 2, env=rank_env(), failure_grace_s=5.0) as group:
         try:
             code = group.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -81,7 +104,15 @@ def bench_agreement(
             "boundary_call_s": median([row.get("boundary_mean_s", 0.0) for row in rows]),
             "overhead_fraction": median(overheads),
             "overhead_fraction_rounds": overheads,
+            "overhead_interval": median_interval(overheads),
         }
+    pairs = raw.get("ab_pairs", [])
+    ab = paired_overhead([row["ours_auto"] for row in pairs], [row["none"] for row in pairs])
+    ab.update(
+        steps_per_block=raw.get("ab_steps_per_block"),
+        step_s={"none": median([row["none"] for row in pairs]), "ours_auto": median([row["ours_auto"] for row in pairs])},
+        boundary_call_s=median([row["ours_auto_boundary_s"] for row in pairs]),
+    )
     latency = {
         k: {
             "seconds": median([t["seconds"] for t in trials]),
@@ -92,7 +123,7 @@ def bench_agreement(
         }
         for k, trials in raw["stop_latency"].items()
     }
-    return {"variants": summary, "stop_latency": latency, "save_s": median(raw["save_s"]), "save_s_all": raw["save_s"], "raw": raw}
+    return {"variants": summary, "ab": ab, "stop_latency": latency, "save_s": median(raw["save_s"]), "save_s_all": raw["save_s"], "raw": raw}
 
 
 def _pointer(root: Path) -> str | None:
@@ -116,7 +147,9 @@ def interpreter_teardown(trials: int, cases: tuple[str, ...] = ("plain", "gc_fre
         extra, end = variants[name]
         times = []
         for _ in range(trials):
-            proc = subprocess.Popen([sys.executable, "-c", body.format(extra=extra, end=end)], stdout=subprocess.PIPE, text=True, env={**os.environ, **_env()})
+            proc = subprocess.Popen(
+                [sys.executable, "-c", body.format(extra=extra, end=end)], stdout=subprocess.PIPE, text=True, env={**os.environ, **rank_env()}
+            )
             line = proc.stdout.readline()
             proc.wait()
             ended = time.monotonic()
@@ -155,7 +188,7 @@ def signal_to_exit(work: Path, *, mode: str, after_steps: int, timeout_s: float,
     ]
     rows = root / "training.jsonl"
     exited: dict[int, float] = {}
-    with launch(cmd, 2, env=_env(), failure_grace_s=5.0) as group:
+    with launch(cmd, 2, env=rank_env(), failure_grace_s=5.0) as group:
         deadline = time.monotonic() + timeout_s
         while _count_lines(rows) < after_steps:
             if time.monotonic() > deadline or group.poll() is not None:

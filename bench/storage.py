@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from bench.common import byte_view, drop_cache, flat_state, median, remove, rotate, size_on_disk, state_tensors, timed, touch_memory
+from bench.common import byte_view, drop_cache, flat_state, median, remove, rotate, size_on_disk, state_tensors, timed, timed_cpu, touch_memory
 from resilience.checkpoint import Checkpointer, TrainingState
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
@@ -145,6 +145,7 @@ def bench_save(work: Path, model, optimizer, repeat: int, log: Callable[[str], N
         "dcp": lambda r: save_dcp(paths["dcp"], model, optimizer),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
+    cpu_s: dict[str, list[float]] = {name: [] for name in runs}  # this process's CPU time, all threads
     written: dict[str, int] = {}
     # Untimed: the first big write of a process runs much slower here (the page cache takes
     # memory the host has reclaimed), whichever method comes first.
@@ -156,12 +157,13 @@ def bench_save(work: Path, model, optimizer, repeat: int, log: Callable[[str], N
             remove(paths[name])
             os.sync()
             touch_memory(state_bytes)
-            seconds, _ = timed(functools.partial(runs[name], r))
+            seconds, cpu = timed_cpu(functools.partial(runs[name], r))
             times[name].append(seconds)
+            cpu_s[name].append(cpu)
             written[name] = size_on_disk(paths[name])
             drop_cache([paths[name]])  # keep the page cache from filling up with our own output
             log(f"save round {r + 1}/{repeat}: {name:<10} {seconds:7.3f} s  {written[name] / seconds / 1e9:5.2f} GB/s")
-    return {"times": times, "bytes_written": written, "state_bytes": state_bytes, "paths": {k: str(v) for k, v in paths.items()}}
+    return {"times": times, "cpu_s": cpu_s, "bytes_written": written, "state_bytes": state_bytes, "paths": {k: str(v) for k, v in paths.items()}}
 
 
 def bench_load(work: Path, model, optimizer, repeat: int, log: Callable[[str], None]) -> dict[str, Any]:
@@ -184,6 +186,7 @@ def bench_load(work: Path, model, optimizer, repeat: int, log: Callable[[str], N
         "ours_validate": lambda: find_ours(work / "ours"),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
+    cpu_s: dict[str, list[float]] = {name: [] for name in runs}
     read: dict[str, int] = {name: size_on_disk(paths[name]) for name in runs}
     drop_cache([paths["disk"]])  # untimed: the first cold read of a process is slower too
     read_raw(paths["disk"], tensors)
@@ -191,10 +194,11 @@ def bench_load(work: Path, model, optimizer, repeat: int, log: Callable[[str], N
         for name in rotate(list(runs), r):
             drop_cache([paths[name]])
             touch_memory(state_bytes)
-            seconds, _ = timed(runs[name])
+            seconds, cpu = timed_cpu(runs[name])
             times[name].append(seconds)
+            cpu_s[name].append(cpu)
             log(f"load round {r + 1}/{repeat}: {name:<13} {seconds:7.3f} s  {read[name] / seconds / 1e9:5.2f} GB/s")
-    return {"times": times, "bytes_read": read, "state_bytes": state_bytes}
+    return {"times": times, "cpu_s": cpu_s, "bytes_read": read, "state_bytes": state_bytes}
 
 
 # -- peak memory ---------------------------------------------------------------------------------

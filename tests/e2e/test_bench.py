@@ -16,7 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # bench/ is a top-level package of the repository, not installed
 
 from bench.common import parse_size  # noqa: E402
-from bench.report import KEYS  # noqa: E402
+from bench.goodput import LogTail, summarise  # noqa: E402
+from bench.report import CI_KEYS, KEYS, LOADED_PREFIX  # noqa: E402
+from bench.stats import median_interval, paired_overhead  # noqa: E402
 
 
 def test_size_option_accepts_bytes_and_binary_suffixes_and_names_itself_on_bad_input():
@@ -29,8 +31,78 @@ def test_size_option_accepts_bytes_and_binary_suffixes_and_names_itself_on_bad_i
             parse_size(bad)
 
 
+def test_median_interval_is_between_order_statistics_with_their_true_coverage():
+    five = median_interval([5.0, 1.0, None, 4.0, 2.0, 3.0])
+    assert five["median"] == 3.0 and five["n"] == 5
+    assert (five["ci_low"], five["ci_high"]) == (1.0, 5.0)  # below 6 rounds: the range ...
+    assert five["confidence"] == pytest.approx(1 - 2 / 32)  # ... which covers the median with 93.75 %
+    nine = median_interval(list(range(1, 10)))
+    assert (nine["ci_low"], nine["ci_high"]) == (2, 8) and nine["confidence"] >= 0.95  # x(2), x(8) of 9
+    one = median_interval([0.7])
+    assert one["median"] == 0.7 and one["ci_low"] is None and one["ci_high"] is None
+    assert median_interval([])["median"] is None
+
+
+def test_paired_overhead_is_the_ratio_of_sums_with_a_reproducible_interval_around_it():
+    base = [1.0, 1.2, 0.9, 1.1, 1.0, 1.3]
+    treated = [b * f for b, f in zip(base, [1.01, 1.03, 0.99, 1.02, 1.00, 1.01])]
+    got = paired_overhead(treated, base)
+    assert got["value"] == pytest.approx(sum(treated) / sum(base) - 1)
+    assert got["ci_low"] <= got["value"] <= got["ci_high"] and got["ci_high"] < 0.03 and got["ci_low"] > -0.01
+    assert paired_overhead(treated, base) == got  # seeded: the same data, the same interval
+    assert paired_overhead([1.0], [1.0])["ci_high"] is None
+    with pytest.raises(ValueError, match="paired_overhead"):
+        paired_overhead([1.0, 2.0], [1.0])
+
+
+def test_log_tail_counts_only_rows_past_the_resume_point_after_the_log_is_rewritten(tmp_path):
+    log = tmp_path / "training.jsonl"
+    log.write_text("".join(json.dumps({"global_step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)))
+    tail = LogTail(log, floor=3)  # the next start resumes from step 3
+    tail.poll()
+    assert tail.rows == []  # rows already there are the previous start's
+    rewritten = tmp_path / "training.tmp"  # the resume truncates the log to its resume point (new inode)
+    rewritten.write_text("".join(json.dumps({"global_step": s}) + "\n" for s in (1, 2, 3)))
+    rewritten.replace(log)
+    with open(log, "a") as fh:
+        fh.write(json.dumps({"global_step": 4}) + "\n" + '{"global_st')  # a row half written
+    tail.poll()
+    assert [step for step, _ in tail.rows] == [4]
+    with open(log, "a") as fh:
+        fh.write('ep": 5}\n')
+    tail.poll()
+    assert [step for step, _ in tail.rows] == [4, 5]
+
+
+def _start(launched: float, steps: list[int], step_s: float, first_at: float, signalled: float | None, exited: float, resume: int) -> dict:
+    return {
+        "launched": launched,
+        "signalled": signalled,
+        "exited": exited,
+        "code": 75 if signalled is not None else 0,
+        "resume_step": resume,
+        "rows": [(s, first_at + i * step_s) for i, s in enumerate(steps)],
+        "stop_checkpoint_step": steps[-1],
+    }
+
+
+def test_goodput_counts_steps_logged_past_the_resume_point_as_redone_and_their_time_as_lost():
+    # start 1: steps 1-10 from t=2 (0.1 s each), signal at 2.95 (step 10 runs on), exit at 3.5;
+    # start 2 resumed from step 8 (its first row is step 9): steps 9 and 10 are trained twice.
+    first = _start(0.0, list(range(1, 11)), 0.1, 2.0, 2.95, 3.5, 0)
+    second = _start(3.5, list(range(9, 21)), 0.1, 6.0, None, 7.5, 8)
+    got = summarise([first, second], period_s=3.0)
+    (p,) = got["preemptions"]
+    assert p["steps_redone"] == 2 and p["resumed_from_step"] == 8 and p["last_logged_step"] == 10
+    assert p["signal_to_exit_s"] == pytest.approx(0.55) and p["restart_to_first_step_s"] == pytest.approx(2.5)
+    # lost: from the signal (2.95) to the next start's first new step (11, at 6.2), less that step:
+    # the way back to the first row (3.05 s) plus redoing step 10 (0.1 s)
+    assert p["preemption_cost_s"] == pytest.approx(3.25 - 0.1)
+    assert got["steps"] == 20 and got["useful_s"] == pytest.approx(2.0) and got["goodput_fraction"] == pytest.approx(2.0 / 7.5)
+
+
 @pytest.mark.multiproc
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp_path):
     out = tmp_path / "latest.json"
     work = tmp_path / "work"
@@ -39,20 +111,30 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=230,
+        timeout=470,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
 
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
-    assert table[0].startswith("| figure | ours | anchor (same run) | ratio | target |")
-    for label in ("sync save", "load for resume", "async save", "stop agreement, ours k=1", "stop latency, k=1", "signal to exit", "peak extra RSS"):
+    assert table[0].startswith("| figure | ours | anchor (same run) | ratio [95 % interval, coverage] | target |")
+    labels = ("sync save", "load for resume", "load vs safetensors", "load vs DCP", "async save", "stop agreement, ours k=auto (default), 3 interleaved A/B")
+    labels += (
+        "stop agreement, ours k=1",
+        "stop latency, k=1",
+        "signal to exit",
+        "peak extra RSS",
+        "goodput, digits preempted every 3 s",
+        "cost per preemption",
+    )
+    for label in labels:
         assert any(row.startswith(f"| {label}") for row in table), f"no table row for {label!r}:\n" + "\n".join(table)
 
     doc = json.loads(out.read_text())
-    assert set(KEYS) <= set(doc)
+    assert set(KEYS) | set(CI_KEYS) <= set(doc)
+    assert not any(key.startswith(LOADED_PREFIX) for key in doc)  # no --load: one pass
     for key in KEYS:
         entry = doc[key]
-        assert {"value", "target", "pass"} <= set(entry), (key, entry)
+        assert {"value", "target", "pass", "rounds", "ci_low", "ci_high"} <= set(entry), (key, entry)
         if key.startswith("async_") and entry["value"] is None:
             assert entry["status"].startswith("not available yet"), (key, entry)
             assert entry["memcpy_s"] > 0 and entry["dcp_async_blocked_s"] > 0 and entry["state_bytes"] > 0
@@ -64,9 +146,46 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
     assert doc["save_vs_disk"]["ours_s"] > 0 and doc["save_vs_disk"]["disk_s"] > 0
     assert doc["save_vs_disk"]["state_bytes"] == doc["meta"]["state_bytes"] > 3 * (4 << 20) * 0.9
     assert doc["load_vs_disk"]["bytes_read"]["disk"] == doc["meta"]["state_bytes"]
+    assert doc["save_vs_torch_save"]["target"] == ">= 1.1x torch.save"  # the retired 1.5x is gone
+    assert len(doc["save_vs_disk"]["rounds"]) == 1 and doc["save_vs_disk"]["rounds"][0] == doc["save_vs_disk"]["value"]
+    agreement = doc["agreement_overhead_fraction"]
+    assert agreement["ab"]["n"] == 3 and len(agreement["rounds"]) == 3  # one overhead per A/B pair
+    assert agreement["ci_low"] <= agreement["value"] <= agreement["ci_high"]
+    assert (doc[CI_KEYS[0]], doc[CI_KEYS[1]]) == (agreement["ci_low"], agreement["ci_high"])
+    assert agreement["pass"] == (agreement["ci_high"] <= 0.01 and agreement["stop_latency_s"]["auto"] <= 1.0)
     assert doc["agreement_overhead_fraction"]["step_s"]["none"] > 0
     assert doc["agreement_overhead_fraction"]["stop_latency_steps"]["k1"] >= 1
     assert doc["signal_to_exit_vs_budget"]["all_exited_preempted"] is True
     assert doc["save_peak_extra_rss_fraction"]["state_bytes"] == doc["meta"]["state_bytes"]
+    # goodput: one preemption every 3 s through the launcher, resumed, finished; nothing trained twice
+    case = doc["details"]["goodput"]["cases"][0]
+    assert case["exit_codes"][-1] == 0 and 75 in case["exit_codes"] and case["all_steps_logged_once"] is True
+    assert 0 < doc["goodput_fraction"]["value"] < 1
+    assert doc["preemption_cost_s"]["steps_redone"] == [0] * len(doc["preemption_cost_s"]["rounds"]) and doc["preemption_cost_s"]["rounds"]
+    assert doc["preemption_cost_s"]["budget_s"] > 2.0 and doc["preemption_cost_s"]["restart_to_first_step_s"] > 0
     # the scratch files are gone
     assert not any(work.iterdir()) if work.exists() else True
+
+
+@pytest.mark.timeout(300)
+def test_load_only_pass_beside_a_busy_process_adds_loaded_keys_and_keeps_the_quiet_ones(tmp_path):
+    out = tmp_path / "latest.json"
+    out.write_text(json.dumps({"save_vs_disk": {"value": 0.93}, "meta": {"quick": True}, "details": {}, "loaded.stale": 1}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--load-only", "--only", "rss", "--dir", str(tmp_path / "work"), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=290,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    assert "beside one CPU-busy process" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["save_vs_disk"] == {"value": 0.93} and doc["meta"]["quick"] is True  # the quiet pass is kept
+    assert "loaded.stale" not in doc  # the previous loaded pass is replaced
+    assert {LOADED_PREFIX + key for key in (*KEYS, *CI_KEYS)} <= set(doc)
+    rss = doc[LOADED_PREFIX + "save_peak_extra_rss_fraction"]
+    assert isinstance(rss["value"], float) and len(rss["rounds"]) == 1
+    assert doc[LOADED_PREFIX + "save_vs_disk"]["error"] == "skipped"
+    neighbour = doc["meta"]["loaded"]["neighbour"]
+    assert neighbour["cpu_s"] > 0 and neighbour["wall_s"] > 0  # the busy process really ran

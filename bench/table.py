@@ -1,0 +1,297 @@
+"""The markdown table of the bench's figures (one row per figure, with its anchor and interval).
+
+Each ratio is printed as the median over rounds with its interval in brackets and the interval's
+coverage (``[0.90, 0.97] 94 %``: between two rounds' values, see :mod:`bench.stats`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.common import human_bytes
+from bench.report import STOP_LATENCY_TARGET_S
+
+
+def _s(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x * 1e3:.2f} ms" if x < 0.1 else f"{x:.3f} s"
+
+
+def _rate(nbytes: int, seconds: float | None) -> str:
+    return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds else "n/a"
+
+
+def _verdict(passed: bool | None, value: Any = 0) -> str:
+    if value is None:
+        return "n/a"
+    return "—" if passed is None else ("PASS" if passed else "MISS")
+
+
+def _x(v: float | None, fmt: str = "{:.2f}x") -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def _ci(entry: dict[str, Any], fmt: str = "{:.2f}") -> str:
+    """`` [low, high] 94 %`` after a median, or nothing without an interval."""
+    low, high, conf = entry.get("ci_low"), entry.get("ci_high"), entry.get("ci_confidence")
+    if low is None or high is None:
+        return ""
+    return f" [{fmt.format(low)}, {fmt.format(high)}] {conf:.0%}" if conf is not None else f" [{fmt.format(low)}, {fmt.format(high)}]"
+
+
+Row = tuple[str, str, str, str, str, str]
+
+
+def _missing(label: str, f: dict[str, Any]) -> Row:
+    return (label, "n/a", "", "", f.get("target") or "", f.get("error", f.get("status", "n/a")))
+
+
+def _cpu(f: dict[str, Any], method: str) -> str:
+    """``, CPU 1.23 s`` (this process's CPU time for ``method``, all threads) or nothing."""
+    seconds = (f.get("cpu_s") or {}).get(method)
+    return f", CPU {_s(seconds)}" if seconds is not None else ""
+
+
+def _storage_rows(fig: dict[str, Any], state: int) -> list[Row]:
+    rows: list[Row] = []
+    f = fig["save_vs_disk"]
+    if f.get("value") is None:
+        return [_missing("sync save", f)]
+    rows.append(
+        (
+            f"sync save, {human_bytes(state)} state",
+            f"{_s(f['ours_s'])} ({_rate(state, f['ours_s'])}{_cpu(f, 'ours')})",
+            f"disk write+fsync {_s(f['disk_s'])} ({_rate(state, f['disk_s'])}{_cpu(f, 'disk')})",
+            _x(f["value"], "{:.2f} of disk") + _ci(f),
+            f["target"],
+            _verdict(f["pass"]),
+        )
+    )
+    for key, label, peer, name in (
+        ("save_vs_torch_save", "sync save vs torch.save", "torch_save_s", "torch.save"),
+        ("save_vs_dcp", "sync save vs DCP save", "dcp_s", "DCP save"),
+    ):
+        g = fig[key]
+        rows.append(
+            (
+                label,
+                _s(g["ours_s"]),
+                f"{name} {_s(g[peer])} ({_rate(state, g[peer])})",
+                _x(g["value"], "{:.2f}x as fast") + _ci(g),
+                g["target"],
+                _verdict(g["pass"]),
+            )
+        )
+    return rows
+
+
+def _load_rows(fig: dict[str, Any], state: int) -> list[Row]:
+    f = fig["load_vs_disk"]
+    if f.get("value") is None:
+        return [_missing("load for resume", f)]
+    rows: list[Row] = [
+        (
+            "load for resume (cold)",
+            f"{_s(f['ours_s'])} ({_rate(state, f['ours_s'])}{_cpu(f, 'ours')})",
+            f"disk cold read {_s(f['disk_s'])} ({_rate(state, f['disk_s'])}{_cpu(f, 'disk')})",
+            _x(f["value"], "{:.2f} of disk") + _ci(f),
+            f["target"],
+            _verdict(f["pass"]),
+        )
+    ]
+    for key, label, peer, name in (
+        ("load_vs_safetensors", "load vs safetensors load", "safetensors_s", "safetensors"),
+        ("load_vs_dcp", "load vs DCP load", "dcp_s", "DCP load"),
+    ):
+        g = fig[key]
+        cpu = _cpu(g, peer.removesuffix("_s"))
+        anchor = f"{name} {_s(g[peer])}" + (f" ({cpu.removeprefix(', ')})" if cpu else "")
+        rows.append((label, _s(g["ours_s"]), anchor, _x(g["value"], "{:.2f}x as fast") + _ci(g), g["target"], _verdict(g["pass"])))
+    rows.append(
+        (
+            "resume = choose (manifests, sizes) + load (digests checked while reading)",
+            _s(f["ours_validate_s"] + f["ours_s"]),
+            f"disk cold read {_s(f['disk_s'])}",
+            _x(f["resume_vs_disk"], "{:.2f} of disk") + _ci(f["resume_vs_disk_interval"] | {"ci_confidence": f["resume_vs_disk_interval"]["confidence"]}),
+            "info",
+            "—",
+        )
+    )
+    return rows
+
+
+def _async_rows(fig: dict[str, Any]) -> list[Row]:
+    f, g = fig["async_block_vs_memcpy"], fig["async_block_vs_dcp_async"]
+    if "memcpy_s" not in f:
+        return [_missing("async save", f)]
+    staged = f"DCP async_save {_s(f['dcp_async_blocked_s'])} (DefaultStager {_s(f['dcp_async_staged_blocked_s'])})"
+    if f.get("value") is None:
+        return [
+            ("async save: loop blocked", f.get("status", "n/a").split(":")[0], f"memcpy {_s(f['memcpy_s'])}", "n/a", f["target"], "n/a"),
+            ("async blocked vs DCP async_save", "n/a", staged, "n/a", "peer", "—"),
+        ]
+    return [
+        ("async save: loop blocked", _s(f["ours_blocked_s"]), f"memcpy {_s(f['memcpy_s'])}", _x(f["value"]) + _ci(f), f["target"], _verdict(f["pass"])),
+        ("async blocked vs DCP async_save", _s(f["ours_blocked_s"]), staged, _x(g["value"]) + _ci(g), "peer", "—"),
+    ]
+
+
+def _agreement_rows(fig: dict[str, Any]) -> list[Row]:
+    f = fig["agreement_overhead_fraction"]
+    if not f.get("step_s"):
+        return [_missing("stop agreement", f)]
+    step, over, k = f["step_s"], f["overhead_fraction"], f["big_k"]
+    lat, steps, ab = f["stop_latency_s"], f["stop_latency_steps"], f.get("ab") or {}
+    rows: list[Row] = []
+    if ab.get("n"):
+        rows.append(
+            (
+                f"stop agreement, ours k=auto (default), {ab['n']} interleaved A/B pairs of {ab['steps_per_block']} steps",
+                f"{_s(ab['step_s']['ours_auto'])} ({_s(ab['boundary_call_s'])} inside the call)",
+                f"no agreement {_s(ab['step_s']['none'])}",
+                _x(f["value"], "{:+.2%}") + _ci(f, "{:+.2%}"),
+                f["target"],
+                _verdict(f["pass"]),
+            )
+        )
+    for name, label in (
+        ("ours_k1", "stop agreement, ours k=1"),
+        (f"ours_k{k}", f"stop agreement, ours k={k}"),
+        ("ours_auto", "stop agreement, ours k=auto (default, 0.1 s)"),
+        ("blocking", "blocking all-reduce every step"),
+    ):
+        if name not in over:
+            continue
+        ok = None if name == "blocking" else over[name] <= 0.01
+        inside = f["boundary_call_s"].get(name)
+        where = f" ({_s(inside)} inside the call)" if inside is not None else ""
+        iv = (f.get("overhead_interval") or {}).get(name) or {}
+        rows.append(
+            (
+                f"{label} (2 ranks, DDP step; rounds)",
+                _s(step[name]) + where,
+                f"no agreement {_s(step['none'])}",
+                f"{over[name]:+.1%}" + _ci(iv | {"ci_confidence": iv.get("confidence")}, "{:+.1%}"),
+                "<= 1 %" if ok is not None else "peer",
+                _verdict(ok),
+            )
+        )
+    for key, label in (("k1", "stop latency, k=1"), (f"k{k}", f"stop latency, k={k}"), ("auto", "stop latency, k=auto")):
+        if key in lat:
+            ok = lat[key] <= STOP_LATENCY_TARGET_S
+            rows.append((label, f"{_s(lat[key])}, {steps[key]:g} steps", "os.kill of one rank", "", f"<= {STOP_LATENCY_TARGET_S:g} s", _verdict(ok)))
+    return rows
+
+
+def _exit_rows(fig: dict[str, Any]) -> list[Row]:
+    f = fig["signal_to_exit_vs_budget"]
+    if f.get("value") is None:
+        return [_missing("signal to exit", f)]
+    ex, pub, td = f["exit_s"], f["published_s"], f["python_teardown_s"]
+
+    def modes(d: dict[str, Any]) -> str:
+        return ", ".join(f"{'all signalled' if m == 'all' else 'one signalled'} {_s(v)}" for m, v in d.items())
+
+    budget = f"step {_s(f['step_s'])} + save {_s(f['save_s'])} + 1 s = {_s(f['budget_s'])}"
+    ok = f["published_vs_budget"] <= 1 if f["published_vs_budget"] is not None else None
+    return [
+        ("signal to exit, 2 ranks (digits)", modes(ex), budget, _x(f["value"], "{:.2f} of budget") + _ci(f), f["target"], _verdict(f["pass"])),
+        (
+            "signal to stop checkpoint published",
+            modes(pub),
+            budget,
+            _x(f["published_vs_budget"], "{:.2f} of budget"),
+            "info",
+            _verdict(ok, f["published_vs_budget"]),
+        ),
+        (
+            "python exit with torch imported (limit)",
+            f"{_s(td.get('plain'))}",
+            f"with gc.freeze() {_s(td.get('gc_freeze'))}; os._exit {_s(td.get('os_exit'))}",
+            "",
+            "info",
+            "—",
+        ),
+    ]
+
+
+def _rss_rows(fig: dict[str, Any]) -> list[Row]:
+    f = fig["save_peak_extra_rss_fraction"]
+    if f.get("value") is None:
+        return [_missing("peak extra RSS", f)]
+    e, fr = f["extra_bytes"], f["fraction"]
+    state = f"state {human_bytes(f['state_bytes'])}; torch.save +{fr['torch_save']:.0%}, DCP +{fr['dcp']:.0%}"
+    return [("peak extra RSS, sync save", human_bytes(e["ours"]), state, f"{f['value']:.1%}" + _ci(f, "{:.1%}"), f["target"], _verdict(f["pass"]))]
+
+
+def _goodput_rows(fig: dict[str, Any]) -> list[Row]:
+    f, c = fig["goodput_fraction"], fig["preemption_cost_s"]
+    if f.get("value") is None:
+        return [_missing("goodput under repeated preemption", f)]
+    rows: list[Row] = []
+    for period, value in f["by_period"].items():
+        useful, wall, n = f["useful_s"][period], f["wall_s"][period], f["preemptions"][period]
+        rows.append((f"goodput, digits preempted every {period} s ({n} preemptions)", f"useful {_s(useful)}", f"wall {_s(wall)}", f"{value:.1%}", "info", "—"))
+    budget = f"save {_s(c['save_s'])} + load {_s(c['load_s'])} + {c['process_start_allowance_s']:g} s = {_s(c['budget_s'])}"
+    redone = sum(c["steps_redone"])
+    rows.append(
+        (
+            "cost per preemption (training time lost)",
+            _s(c["value"]) + _ci(c, "{:.2f}"),
+            budget,
+            _x(c["vs_budget"], "{:.2f} of budget"),
+            c["target"],
+            _verdict(c["pass"]),
+        )
+    )
+    rows.append(
+        (
+            "  signal -> exit, restart -> first step (start, imports, rendezvous, choose, load)",
+            f"{_s(c['signal_to_exit_s'])}, {_s(c['restart_to_first_step_s'])}",
+            "",
+            "",
+            "info",
+            "—",
+        )
+    )
+    rows.append(("  steps redone after a preemption", f"{redone} in {len(c['steps_redone'])} preemptions", "", "", "0", "PASS" if redone == 0 else "MISS"))
+    return rows
+
+
+def table(fig: dict[str, Any], meta: dict[str, Any]) -> str:
+    """The markdown table of the issue's figures (one row per figure, with its anchor)."""
+    state = meta.get("state_bytes") or 0
+    rows = [
+        *_storage_rows(fig, state),
+        *_load_rows(fig, state),
+        *_async_rows(fig),
+        *_agreement_rows(fig),
+        *_exit_rows(fig),
+        *_rss_rows(fig),
+        *_goodput_rows(fig),
+    ]
+    header = ("figure", "ours", "anchor (same run)", "ratio [95 % interval, coverage]", "target", "")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def breakdown_table(bd: dict[str, Any]) -> str:
+    """Where ours spends a save and a load (phases nest; the content check runs on a thread beside the load)."""
+    lines = ["| phase of ours | seconds | share |", "|---|---|---|"]
+    for phase in [key for key, value in bd.items() if isinstance(value, dict) and "total_s" in value]:
+        part = bd.get(phase)
+        if not part:
+            continue
+        total = part["total_s"]
+        lines.append(f"| **{phase}, cold, total** | {total:.3f} | 100 % |" if phase != "save" else f"| **{phase}, total** | {total:.3f} | 100 % |")
+        for name, seconds in part["phases_s"].items():
+            lines.append(f"| {name} | {seconds:.3f} | {seconds / total:.0%} |")
+    prof = bd.get("async_blocked_profile")
+    if prof:
+        total = prof["blocked_s_under_profiler"]
+        lines.append(f"| **async save, blocked part (cProfile, cumulative)** | {total:.3f} | 100 % |")
+        for row in prof["top"][:8]:
+            lines.append(f"| `{row['function']}` x{row['calls']} | {row['cumulative_s']:.3f} | {row['cumulative_s'] / total:.0%} |")
+    return "\n".join(lines)
