@@ -38,11 +38,14 @@ def dump_stacks(group: RankGroup, describe: Callable[[int], str], log: Log, *, w
             continue
         log(f"rank {rank} (pid {pid}; {describe(local)}): its Python stacks follow")
         try:
+            stopped = is_stopped(pid)
             os.kill(pid, STACK_DUMP_SIGNAL)
-            if is_stopped(pid):
+            if stopped:
                 os.kill(pid, signal.SIGCONT)  # the handler runs once it runs again
+            time.sleep(wait_s)
+            if stopped:
+                os.kill(pid, signal.SIGSTOP)  # as it was: its group is being ended, not resumed
         except ProcessLookupError:
             continue
         dumped.append(local)
-        time.sleep(wait_s)
     return dumped

@@ -14,7 +14,7 @@ import dataclasses
 import signal
 
 from resilience.exit_codes import ExitCode
-from resilience.launch.exit_status import combine_exit_codes, describe_code
+from resilience.launch.exit_status import describe_code
 from resilience.launch.forwarding import RecordedSignals, forward
 from resilience.launch.rank_group import POLL_INTERVAL_S, Log, RankGroup
 from resilience.launch.stacks import dump_stacks
@@ -58,9 +58,11 @@ def supervise(group: RankGroup, recorded: RecordedSignals, timeout: ProgressTime
             if stall is not None:
                 log(f"watchdog: {stall.describe()}; printing the stacks of every local rank, then ending them")
                 dump_stacks(group, watchdog.describe, log)
-                group.terminate()
+                code = group.terminate()
                 codes = [proc.returncode for proc in group.procs]
-                return Outcome(combine_exit_codes(codes), codes, stall.describe(), infrastructure=True)
+                if code == ExitCode.DONE:  # it was only slow, and finished meanwhile
+                    return Outcome(code, codes)
+                return Outcome(code, codes, stall.describe(), infrastructure=True)
     codes = [proc.returncode for proc in group.procs]
     if received or (len(set(codes)) == 1 and codes[0] in ORDERLY_CODES):
         return Outcome(code, codes)

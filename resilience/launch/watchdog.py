@@ -127,11 +127,11 @@ class Stall:
         if self.report is None:
             doing = "before its first progress report (starting)"
         elif self.report.phase == "step":
-            doing = f"in step {self.report.step + 1} (step {self.report.step} was its last)"
+            doing = f"training (last reported step: {self.report.step})"
         else:
-            doing = f"{self.report.phase} after step {self.report.step}"
+            doing = f"{self.report.phase} (last reported step: {self.report.step})"
         state = " and is stopped (SIGSTOP?)" if self.stopped else ""
-        return f"rank {self.rank} (pid {self.pid}) made no progress for {self.silent_s:.1f} s {doing}{state}; limit {self.limit_s:g} s"
+        return f"rank {self.rank} (pid {self.pid}) made no progress for {self.silent_s:.1f} s while {doing}{state}; limit {self.limit_s:g} s"
 
 
 def is_stopped(pid: int) -> bool:

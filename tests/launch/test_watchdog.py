@@ -83,10 +83,10 @@ def test_a_hang_a_sigkill_and_a_sigstop_each_restart_in_job_from_latest_and_fini
     # the hung rank's stacks name the line it was stuck in
     assert f'tiny_train.py", line {HANG_LINE} in fault' in stderr, stderr
     assert "its Python stacks follow" in stderr
-    # each restart resumed LATEST (the stopped rank, continued for its stack dump, may stop with its peer
-    # on the watchdog's SIGTERM: a preemption checkpoint after step 26)
+    # each restart resumed LATEST (the stopped rank runs for a moment to print its stacks: its group
+    # may pass another checkpoint before it is stopped again and ended)
     resumed = [int(step) for step in re.findall(r"rank 0: resumed from epoch_0_step_(\d+)", stderr)]
-    assert resumed[:2] == [5, 15] and len(resumed) == 3 and 25 <= resumed[2] <= 27, resumed
+    assert resumed[:2] == [5, 15] and len(resumed) == 3 and resumed[2] >= 25, resumed
     assert_bitwise_equal(final_weights(ckpt), uninterrupted)
 
 
@@ -98,8 +98,9 @@ def test_without_restarts_a_hang_exits_75_within_the_timeout_and_the_next_start_
     code, stderr, seconds = run(ckpt, "--progress-timeout", str(TIMEOUT_S), env=env)
     assert code == ExitCode.PREEMPTED, stderr
     assert "no in-job restarts (--max-restarts 0)" in stderr and "exit code 75" in stderr, stderr
-    silent = float(re.search(r"rank 0 \(pid \d+\) made no progress for ([\d.]+) s", stderr).group(1))
-    assert TIMEOUT_S < silent < TIMEOUT_S + 2, stderr  # detected right after the timeout
+    assert f'tiny_train.py", line {HANG_LINE} in fault' in stderr, stderr
+    silent = float(re.search(r"rank \d \(pid \d+\) made no progress for ([\d.]+) s", stderr).group(1))
+    assert TIMEOUT_S <= silent < TIMEOUT_S + 2, stderr  # detected right after the timeout (printed to 0.1 s)
     assert seconds < 90, f"{seconds:.1f} s: start-up, 12 steps, the timeout, the dumps and the kill grace"
     assert os.readlink(ckpt / LATEST) == "epoch_0_step_10"
 
