@@ -122,6 +122,11 @@ def run(args: argparse.Namespace) -> int:
         timeout = ProgressTimeout.parse(args.progress_timeout, args.startup_timeout)
         if args.max_restarts < 0:
             raise ValueError(f"--max-restarts: expected an int >= 0, got {args.max_restarts}")
+        if args.max_restarts and args.nnodes > 1:
+            raise ValueError(
+                "--max-restarts: in-job restarts work on one node only (--nnodes 1); with several nodes keep 0: a failure "
+                "then exits 75 on every node and the batch script requeues the whole job"
+            )
     except ValueError as error:
         _stderr_log(f"error: {error}")
         return int(ExitCode.CONFIG_ERROR)
