@@ -23,9 +23,10 @@ restart left it exits:
 =================================================  ============================================
 the failure                                        launcher's code
 =================================================  ============================================
-a stall, or a rank killed by a signal (not TERM)   ``PREEMPTED`` (75): requeue, resume elsewhere
+a stall, or a loop's rank killed by a signal       ``PREEMPTED`` (75): requeue, resume elsewhere
 an error exit, ``--max-restarts`` >= 1             ``PREEMPTED`` (75)
 an error exit, ``--max-restarts 0``                the ranks' combined code (``FAILED``, 1)
+a kill without the loop, ``--max-restarts 0``      the ranks' combined code
 the restarted ranks exit ``NO_PROGRESS``           ``NO_PROGRESS`` (76): the restarts saved nothing
 =================================================  ============================================
 

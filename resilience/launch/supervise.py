@@ -32,8 +32,9 @@ class Outcome:
     ``code``: the ranks' combined exit code (:func:`combine_exit_codes`). ``fault``: why the start
     failed, one line (``None``: it ended in order, or the launcher received a signal, so the job
     is being stopped and nothing is restarted). ``infrastructure``: the fault was a stall or a
-    rank's death by a signal nobody asked for (not an exception in the program): worth another
-    allocation (exit 75) even without in-job restarts.
+    rank's death by a signal nobody asked for (not an exception in the program), in ranks that run
+    :func:`~resilience.resilient_loop` (they reported progress): worth another allocation (exit 75)
+    even without in-job restarts.
     """
 
     code: int
@@ -68,5 +69,7 @@ def supervise(group: RankGroup, recorded: RecordedSignals, timeout: ProgressTime
         return Outcome(code, codes)
     # exited in the same poll: a death by a signal is the likelier cause of the others' errors
     local, first = group.first_failure or min(((local, c) for local, c in enumerate(codes) if c != 0), key=lambda item: item[1] >= 0)
-    killed = first < 0 and first != -signal.SIGTERM  # SIGTERM: the failure grace's, or someone's stop
+    # SIGTERM: the failure grace's, or someone's stop. A program outside resilient_loop (no report)
+    # has no LATEST to resume from: its kill is not turned into a requeue.
+    killed = first < 0 and first != -signal.SIGTERM and bool(watchdog.read())
     return Outcome(code, codes, f"rank {group.ranks[local]} exited with {describe_code(first)}", infrastructure=killed)

@@ -163,14 +163,10 @@ class Watchdog:
         :data:`CHECK_INTERVAL_S` seconds (``None`` in between). Of several, a stopped one, else the
         one silent longest (its peers may only be waiting for it in a collective)."""
         now = self._clock()
-        if now < self._next_check or self.group.ready_dir is None:
+        if now < self._next_check:
             return None
         self._next_check = now + CHECK_INTERVAL_S
-        for local, rank in enumerate(self.group.ranks):
-            report = read_report(progress_file(self.group.ready_dir, rank))
-            if report is not None:
-                self.reports[local] = report
-        if not self.reports:
+        if not self.read():
             return None  # nobody reports: a program without the loop, watched for its exit only
         stalls = []
         for local, code in enumerate(self.group.returncodes):
@@ -183,6 +179,16 @@ class Watchdog:
                 pid = self.group.procs[local].pid
                 stalls.append(Stall(local, self.group.ranks[local], pid, report, silent, limit, is_stopped(pid)))
         return max(stalls, key=lambda stall: (stall.stopped, stall.silent_s), default=None)
+
+    def read(self) -> dict[int, Report]:
+        """Read every rank's record now into :attr:`reports` (a missing or torn one keeps the
+        previous); returns :attr:`reports`, empty while no rank has reported."""
+        if self.group.ready_dir is not None:
+            for local, rank in enumerate(self.group.ranks):
+                report = read_report(progress_file(self.group.ready_dir, rank))
+                if report is not None:
+                    self.reports[local] = report
+        return self.reports
 
     def describe(self, local: int) -> str:
         """What local rank ``local`` last reported, for the stack dump's header."""
