@@ -114,6 +114,7 @@ class ResilientLoop:
         """End the loop early: restores signal handlers and drains the agreement (no save)."""
         if self._generator is not None:
             self._generator.close()
+        self.progress.close()  # never iterated: the watchdog must not wait for its first step
         if self.exit_code is None:
             self.exit_code = ExitCode.FAILED
 
