@@ -297,6 +297,11 @@ class ResilientLoop:
             saved = "no checkpoint yet (nothing trained)"
         log.warning("rank %d: stop %s at step %d (agreement every %d step(s)); %s, exiting for requeue", self.ctx.rank, when, step, self._cadence(), saved)
 
+    def heartbeat(self) -> None:
+        """Tell ``resilience run``'s watchdog this rank still works inside a long step's body (an evaluation);
+        no collective, at most one small write every 0.5 s (:meth:`should_stop` does it too)."""
+        self.progress.heartbeat()
+
     def should_stop(self) -> bool:
         """A collective check for long phases inside a step's body (evaluation): True when a stop
         was requested on any rank. Call it on every rank at the same points; when it returns
@@ -304,6 +309,7 @@ class ResilientLoop:
         training part is complete) and ends with PREEMPTED, without waiting for the next
         agreement round; in the final step of training it finishes normally (DONE) instead.
         Costs one blocking all-reduce per call."""
+        self.progress.heartbeat()
         if self._agreement is None:
             return False
         if not self._stop_agreed_in_step and self._agreement.agree_now(self._pending()):

@@ -115,6 +115,15 @@ class ProgressReporter:
             self._phase = "step"
             self._write(now)
 
+    def heartbeat(self) -> None:
+        """Still working, inside a long step (an evaluation): refresh the record's time, at most every
+        :data:`MIN_INTERVAL_S` seconds, without ending the step."""
+        if self._fd is None:
+            return
+        now = self._clock()
+        if now - self._last_write >= self._min_interval_s:
+            self._write(now)
+
     def saved(self, seconds: float) -> None:
         """A save's synchronous part took ``seconds``: record it, and report phase ``step``."""
         if self._fd is None:

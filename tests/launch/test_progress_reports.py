@@ -87,3 +87,15 @@ def test_the_collective_timeout_comes_from_the_launcher_else_the_default():
     assert collective_timeout_s(600, {COLLECTIVE_TIMEOUT_ENV: "45"}) == 45
     with pytest.raises(ValueError, match=COLLECTIVE_TIMEOUT_ENV):
         collective_timeout_s(600, {COLLECTIVE_TIMEOUT_ENV: "0"})
+
+
+def test_a_heartbeat_inside_a_long_step_refreshes_the_time_but_not_the_step(tmp_path):
+    path, clock = tmp_path / "progress_0", FakeClock()
+    reporter = ProgressReporter(str(path), clock=clock)
+    reporter.phase("step", 4)
+    clock.now = 100.2
+    reporter.heartbeat()  # too soon after the last report: not written
+    assert read_report(str(path)).t == 100.0
+    clock.now = 100.6
+    reporter.heartbeat()
+    assert read_report(str(path)) == Report("step", 4, 100.6, 0.0, 0.0)
