@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from resilience.cli.run import main as run_main
 from resilience.distributed import collective_timeout_s
 from resilience.env_names import COLLECTIVE_TIMEOUT_ENV, PROGRESS_FILE_ENV
 from resilience.launch.watchdog import AUTO_STEP_FLOOR_S, SAVE_FLOOR_S, ProgressTimeout, Report, read_report
@@ -99,3 +100,17 @@ def test_a_heartbeat_inside_a_long_step_refreshes_the_time_but_not_the_step(tmp_
     clock.now = 100.6
     reporter.heartbeat()
     assert read_report(str(path)) == Report("step", 4, 100.6, 0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--progress-timeout", "soon"], "--progress-timeout: expected 'auto' or a number of seconds > 0, got 'soon'"),
+        (["--startup-timeout", "0"], "--startup-timeout: expected a number of seconds > 0"),
+        (["--max-restarts", "-1"], "--max-restarts: expected an int >= 0"),
+        (["--max-restarts", "1", "--nnodes", "2", "--master-port", "29500"], "--max-restarts: in-job restarts work on one node only"),
+    ],
+)
+def test_a_watchdog_option_resilience_run_cannot_take_exits_2_before_starting_anything(argv, message, capsys):
+    assert run_main(["-n", "1", *argv, "no_such_script.py"]) == 2
+    assert message in capsys.readouterr().err
