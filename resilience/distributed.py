@@ -10,10 +10,34 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
+
+from resilience.env_names import COLLECTIVE_TIMEOUT_ENV
+
+
+def collective_timeout_s(default_s: float, env: Mapping[str, str] | None = None) -> float:
+    """Seconds bounding each collective on the library's own gloo groups (the stop agreement, the
+    checkpoint's gathers): ``RESILIENCE_COLLECTIVE_TIMEOUT_S`` when set (``resilience run`` derives
+    it from its progress timeout), else ``default_s`` (the loop passes ``checkpoint.async_timeout_s``);
+    never torch's 30 minutes, so a rank whose peer is gone fails instead of waiting that long.
+
+    Raises ``ValueError`` naming the variable when it is set but not a number of seconds > 0.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(COLLECTIVE_TIMEOUT_ENV)
+    if not raw:
+        return float(default_s)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV}: expected a number of seconds > 0, got {raw!r}")
+    return seconds
 
 
 @dataclasses.dataclass

@@ -10,6 +10,9 @@ Ours (set by the launcher or the batch templates, read by the ranks):
 ``PID_FILE_ENV``          where ``resilience run`` writes its ``launcher``/``rank`` pid lines
 ``SIGNAL_LEAD_S_ENV``     the batch script's Slurm signal lead time (seconds)
 ``LAUNCHER_PID_ENV``      the launcher's pid, in each rank's environment
+``PROGRESS_FILE_ENV``     the file where a rank reports its progress to ``resilience run``'s watchdog
+``RESTART_COUNT_ENV``     how many times ``resilience run`` restarted the ranks in this job (``0`` first)
+``COLLECTIVE_TIMEOUT_ENV``  seconds that bound each collective on the library's own gloo groups
 ========================  ==========================================================================
 
 ``SLURM``: what :class:`resilience.slurm.job.SlurmJob` reads, each field's variables in order (the
@@ -26,6 +29,11 @@ RUN_ID_ENV = "RESILIENCE_RUN_ID"  # kept across requeues and resubmissions
 PID_FILE_ENV = "RESILIENCE_PID_FILE"
 SIGNAL_LEAD_S_ENV = "RESILIENCE_SIGNAL_LEAD_S"
 LAUNCHER_PID_ENV = "RESILIENCE_LAUNCHER_PID"
+PROGRESS_FILE_ENV = "RESILIENCE_PROGRESS_FILE"
+"""Set by ``resilience run`` per rank: where :class:`resilience.progress.ProgressReporter` writes."""
+RESTART_COUNT_ENV = "RESILIENCE_RESTART_COUNT"  # in-job restarts so far (torchrun: TORCHELASTIC_RESTART_COUNT)
+COLLECTIVE_TIMEOUT_ENV = "RESILIENCE_COLLECTIVE_TIMEOUT_S"
+"""Seconds bounding each collective on the library's own groups (the launcher derives it from its progress timeout)."""
 
 SLURM = {
     "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),

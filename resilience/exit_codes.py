@@ -14,6 +14,22 @@ code                      int   what the batch script does
 ``RESTART_LIMIT``         77    the batch script's restart limit is reached: do not requeue
 ========================  ====  ==========================================================
 
+``resilience run`` (one node's launcher) exits with the ranks' common code when they agree on one
+of these, or when it received a signal itself. When a start fails instead (a rank stalls past
+``--progress-timeout``, is killed by a signal, or exits with an error while others run), it ends
+every local rank and, up to ``--max-restarts`` times, starts them again from ``LATEST``; with no
+restart left it exits:
+
+=================================================  ============================================
+the failure                                        launcher's code
+=================================================  ============================================
+a stall, or a loop's rank killed by a signal       ``PREEMPTED`` (75): requeue, resume elsewhere
+an error exit, ``--max-restarts`` >= 1             ``PREEMPTED`` (75)
+an error exit, ``--max-restarts 0``                the ranks' combined code (``FAILED``, 1)
+a kill without the loop, ``--max-restarts 0``      the ranks' combined code
+the restarted ranks exit ``NO_PROGRESS``           ``NO_PROGRESS`` (76): the restarts saved nothing
+=================================================  ============================================
+
 75 is ``EX_TEMPFAIL`` from BSD ``sysexits.h`` ("temporary failure; the user is invited to
 retry"), the conventional code for "try again later". Codes above 128 are avoided because
 shells report death by signal N as 128+N.

@@ -30,9 +30,10 @@ from resilience.checkpoint.layout import TRAINING_LOG, VALIDATION_LOG
 from resilience.checkpoint.policy import progress_guard
 from resilience.checkpoint.policy.lowest_val import append_jsonl
 from resilience.config import ResilienceConfig, config_from_dict
-from resilience.distributed import DistContext
+from resilience.distributed import DistContext, collective_timeout_s
 from resilience.exit_codes import ExitCode
 from resilience.metrics_log import truncate_logs
+from resilience.progress import ProgressReporter
 from resilience.slurm.job import run_id_from_env, signal_reach_warning
 from resilience.state.accumulation import micro_batches
 from resilience.state.batch_size import BatchSizeChangeRefused, global_batch_size
@@ -59,7 +60,10 @@ class ResilientLoop:
     def __init__(self, config: ResilienceConfig, state: TrainingState, *, ctx: DistContext | None = None):
         self.config = config
         self.state = state
-        self.ctx = ctx if ctx is not None else DistContext.from_env()
+        self.ctx = ctx if ctx is not None else DistContext.from_env(timeout_s=collective_timeout_s(config.checkpoint.async_timeout_s))
+        self.progress = ProgressReporter.from_env()
+        """Reports to ``resilience run``'s watchdog where this rank is (a no-op without it)."""
+        self.progress.phase("starting")
         self.scheduler = StepScheduler(config.step_scheduler.num_epochs, config.step_scheduler.max_steps)
         self.timer = RunTimer()
         """Moving averages of step and save time (seconds), recorded in each checkpoint."""
@@ -110,6 +114,7 @@ class ResilientLoop:
         """End the loop early: restores signal handlers and drains the agreement (no save)."""
         if self._generator is not None:
             self._generator.close()
+        self.progress.close()  # never iterated: the watchdog must not wait for its first step
         if self.exit_code is None:
             self.exit_code = ExitCode.FAILED
 
@@ -163,15 +168,17 @@ class ResilientLoop:
                 self._pending = lambda: STOP_PREEMPTION if (signals or stop_before_start) else 0
                 self._agreement = agreement
                 try:
+                    self.progress.phase("loading")
                     try:
                         restored = self._resume()
                     except BatchSizeChangeRefused as exc:  # before any step: exit 2, nothing requeued
                         log.error("rank %d: %s", self.ctx.rank, exc)
                         self.exit_code = ExitCode.CONFIG_ERROR
                         return
-                    if self._no_progress():
+                    if progress_guard.must_end_for(self.config.checkpoint, self.ctx, self.checkpointer.root, self.resumed_from):
                         self.exit_code = ExitCode.NO_PROGRESS
                         return
+                    self.progress.phase("step", scheduler.global_step)
                     self._deadline.start()
                     self._deadline.warn_lead_time(restored.meta.get("timings", {}) if restored else {}, self._cadence())
                     # A signal during model building or resume loading: stop before the first step.
@@ -189,6 +196,7 @@ class ResilientLoop:
                     else:
                         self.checkpointer.close()
         finally:
+            self.progress.close()
             self.ctx.close()  # our gloo group (the agreement drained its last collective on exit)
             if self.exit_code == ExitCode.PREEMPTED:
                 # The process exits next, inside Slurm's warning time: the interpreter's last
@@ -221,12 +229,13 @@ class ResilientLoop:
                 self._in_step = False
                 scheduler.finish_step(micro + 1)
                 self.timer.boundary()
+                self.progress.step(scheduler.global_step)
                 stop = agreement.update(scheduler.global_step, max(self._pending(), self._deadline_flag()), propose_every_steps=self._proposed_cadence())
                 if scheduler.done:
                     break  # a stop during the final step: finish normally
                 # The last batch of the last epoch is the final step too (the scheduler counts the
                 # epoch as finished only once its iterator is exhausted): a stop there finishes normally.
-                final = self._last_batch_of_training(loader)
+                final = scheduler.at_last_batch(loader_length(loader))
                 if (stop or self._stop_agreed_in_step) and not final:
                     self._stop(scheduler.global_step, "for the job's deadline" if stop == STOP_DEADLINE else "agreed", save=True)
                     return
@@ -239,6 +248,7 @@ class ResilientLoop:
                         return
             else:
                 scheduler.finish_epoch()
+        self.progress.phase("saving")
         agreement.drain()
         if self.checkpointer.needs_final_save(scheduler.global_step):
             self._save("final")
@@ -246,25 +256,6 @@ class ResilientLoop:
         if self.ctx.rank == 0 and self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
             progress_guard.reset(self.checkpointer.root)
         self.exit_code = ExitCode.DONE
-
-    def _last_batch_of_training(self, loader: Any) -> bool:
-        """True right after the last batch of the last epoch, for a loader with a length (one
-        without cannot tell before its iterator is exhausted, and then ends at that point)."""
-        scheduler = self.scheduler
-        if scheduler.epoch + 1 < scheduler.num_epochs:
-            return False
-        length = loader_length(loader)
-        return length is not None and scheduler.batches_in_epoch >= length
-
-    def _no_progress(self) -> bool:
-        """The requeue-loop guard (see :mod:`resilience.checkpoint.policy.progress_guard`): True when this run must
-        end with NO_PROGRESS because the attempts before it saved nothing new."""
-        ckpt_cfg = self.config.checkpoint
-        if not (ckpt_cfg.enabled and ckpt_cfg.enable_save):
-            return False
-        return progress_guard.must_end(
-            self.ctx, self.checkpointer.root, self.resumed_from, ckpt_cfg.max_restarts_without_progress, ckpt_cfg.max_preemptions_without_progress
-        )
 
     def _deadline_flag(self) -> int:
         """STOP_DEADLINE on rank 0 once the time left no longer covers a stop (see resilience.stop.deadline)."""
@@ -291,6 +282,7 @@ class ResilientLoop:
         """Every rank stops at ``step``: save it (unless already saved), publish, exit PREEMPTED."""
         if save and self.checkpointer.last_saved_step != step:
             self._save("preemption")
+        self.progress.phase("saving")
         self.checkpointer.wait()  # an asynchronous save must be published before we exit
         self.stop_step = step
         self.exit_code = ExitCode.PREEMPTED
@@ -305,6 +297,11 @@ class ResilientLoop:
             saved = "no checkpoint yet (nothing trained)"
         log.warning("rank %d: stop %s at step %d (agreement every %d step(s)); %s, exiting for requeue", self.ctx.rank, when, step, self._cadence(), saved)
 
+    def heartbeat(self) -> None:
+        """Tell ``resilience run``'s watchdog this rank still works inside a long step's body (an evaluation);
+        no collective, at most one small write every 0.5 s (:meth:`should_stop` does it too)."""
+        self.progress.heartbeat()
+
     def should_stop(self) -> bool:
         """A collective check for long phases inside a step's body (evaluation): True when a stop
         was requested on any rank. Call it on every rank at the same points; when it returns
@@ -312,6 +309,7 @@ class ResilientLoop:
         training part is complete) and ends with PREEMPTED, without waiting for the next
         agreement round; in the final step of training it finishes normally (DONE) instead.
         Costs one blocking all-reduce per call."""
+        self.progress.heartbeat()
         if self._agreement is None:
             return False
         if not self._stop_agreed_in_step and self._agreement.agree_now(self._pending()):
@@ -340,8 +338,11 @@ class ResilientLoop:
 
     def _save(self, reason: SaveReason) -> None:
         started = self.timer.clock()
+        self.progress.phase("saving")
         self.checkpointer.save(reason)
-        self.timer.record_save(self.timer.clock() - started)
+        seconds = self.timer.clock() - started
+        self.timer.record_save(seconds)
+        self.progress.saved(seconds)
         self._deadline.warn_lead_time(self.timer.as_dict(), self._cadence())
 
 

@@ -9,11 +9,12 @@ from collections.abc import Sequence
 
 from resilience.env_names import PID_FILE_ENV
 from resilience.exit_codes import ExitCode
-from resilience.launch.forwarding import FORWARDED_SIGNALS, RecordedSignals, forward
-from resilience.launch.rank_group import POLL_INTERVAL_S
+from resilience.launch.forwarding import FORWARDED_SIGNALS, RecordedSignals
 from resilience.launch.start import launch
+from resilience.launch.supervise import Outcome, supervise
+from resilience.launch.watchdog import DEFAULT_STARTUP_TIMEOUT_S, ProgressTimeout
 
-HELP = "start N local ranks (torchrun-like), forward USR1/USR2/TERM/INT to them and exit with their combined code"
+HELP = "start N local ranks (torchrun-like), forward USR1/USR2/TERM/INT to them, watch their progress, restart them in-job, exit with their code"
 
 
 def _stderr_log(message: str) -> None:
@@ -51,6 +52,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S", help="seconds between SIGTERM and SIGKILL (default 5)")
     parser.add_argument(
+        "--progress-timeout",
+        default="auto",
+        metavar="S|auto",
+        help="seconds a rank inside resilient_loop may go without finishing a step before the watchdog prints every "
+        "rank's stacks and ends them; auto (default): 5 x the longest step reported, at least 60 s",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=DEFAULT_STARTUP_TIMEOUT_S,
+        metavar="S",
+        help=f"the watchdog's limit before the first step: start-up, loading LATEST, the first step (default {DEFAULT_STARTUP_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start the ranks again (resuming from LATEST) after a stall, a crash or a kill, up to N times (torchrun's name; "
+        "default 0); then exit 75 (requeue)",
+    )
+    parser.add_argument(
         "--pid-file",
         default=None,
         metavar="PATH",
@@ -78,43 +102,95 @@ def run(args: argparse.Namespace) -> int:
 
     Installs record-only handlers for :data:`FORWARDED_SIGNALS` before starting the ranks,
     forwards each recorded signal to every live rank from this (main) thread, logging one
-    line per signal to stderr, waits for the ranks and returns :func:`combine_exit_codes` of
-    their codes. Returns ``ExitCode.CONFIG_ERROR`` (2) for bad arguments or a program that
-    cannot be started. Handlers are restored before returning.
+    line per signal to stderr, and watches the ranks' progress
+    (:func:`~resilience.launch.supervise.supervise`). The exit code:
+
+    - every rank exited with the same code of :class:`ExitCode` (0, 2, 75, 76, 77), or the
+      launcher received a signal: the ranks' combined code (:func:`combine_exit_codes`);
+    - a stall, a crash or a kill (the other ranks are ended): the ranks start again, resuming
+      from ``LATEST``, up to ``--max-restarts`` times; the requeue-loop guard
+      (``checkpoint.max_restarts_without_progress``) makes restarts that save nothing new end
+      with 76. Once restarts are exhausted: 75 (requeue), except that without restarts
+      (``--max-restarts 0``) a rank's own error exit keeps the combined code (1, no requeue).
+
+    Returns ``ExitCode.CONFIG_ERROR`` (2) for bad arguments or a program that cannot be started.
+    Handlers are restored before returning.
     """
     pid_file = args.pid_file or os.environ.get(PID_FILE_ENV)
     cmd = _rank_command(args)
-    with RecordedSignals(FORWARDED_SIGNALS) as recorded:
-        try:
-            group = launch(
-                cmd,
-                args.nproc_per_node,
-                master_addr=args.master_addr,
-                master_port=args.master_port,
-                node_rank=args.node_rank,
-                nnodes=args.nnodes,
-                failure_grace_s=args.failure_grace,
-                kill_grace_s=args.kill_grace,
-                log=_stderr_log,
+    try:
+        timeout = ProgressTimeout.parse(args.progress_timeout, args.startup_timeout)
+        if args.max_restarts < 0:
+            raise ValueError(f"--max-restarts: expected an int >= 0, got {args.max_restarts}")
+        if args.max_restarts and args.nnodes > 1:
+            raise ValueError(
+                "--max-restarts: in-job restarts work on one node only (--nnodes 1); with several nodes keep 0: a failure "
+                "then exits 75 on every node and the batch script requeues the whole job"
             )
-        except (ValueError, OSError) as error:
-            _stderr_log(f"error: {error}")
-            return int(ExitCode.CONFIG_ERROR)
-        with group:
-            if pid_file:
-                try:
-                    group.write_pid_file(pid_file)
-                except OSError as error:
-                    _stderr_log(f"error: cannot write the pid file {pid_file!r}: {error}")
-                    return int(ExitCode.CONFIG_ERROR)  # leaving `with group` stops the ranks
-            code = None
-            while code is None:
-                for signum in recorded.take(POLL_INTERVAL_S):
-                    forward(group, signum, _stderr_log)
-                code = group.poll()
-        codes = [proc.returncode for proc in group.procs]
-    _stderr_log(f"ranks exited with {codes}; exit code {code}")
-    return code
+    except ValueError as error:
+        _stderr_log(f"error: {error}")
+        return int(ExitCode.CONFIG_ERROR)
+    restarts = 0
+    with RecordedSignals(FORWARDED_SIGNALS) as recorded:
+        while True:
+            outcome = _start_once(args, cmd, recorded, timeout, pid_file, restarts)
+            if isinstance(outcome, int):
+                return outcome
+            if outcome.fault is None:
+                if outcome.code == ExitCode.NO_PROGRESS and restarts:
+                    _stderr_log(
+                        f"the ranks exited {int(ExitCode.NO_PROGRESS)} (NO_PROGRESS) after {restarts} in-job restart(s): "
+                        "the starts before saved no new checkpoint (checkpoint.max_restarts_without_progress); not restarted, not requeued"
+                    )
+                _stderr_log(f"ranks exited with {outcome.codes}; exit code {outcome.code}")
+                return outcome.code
+            if restarts < args.max_restarts:
+                restarts += 1
+                _stderr_log(f"{outcome.fault}; restarting every local rank from LATEST (in-job restart {restarts} of {args.max_restarts})")
+                continue
+            return _exhausted(outcome, restarts, args.max_restarts)
+
+
+def _start_once(
+    args: argparse.Namespace, cmd: list[str], recorded: RecordedSignals, timeout: ProgressTimeout, pid_file: str | None, restarts: int
+) -> Outcome | int:
+    """One start of the ranks, watched to its end; an ``int`` exit code when they cannot start."""
+    try:
+        group = launch(
+            cmd,
+            args.nproc_per_node,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            node_rank=args.node_rank,
+            nnodes=args.nnodes,
+            failure_grace_s=args.failure_grace,
+            kill_grace_s=args.kill_grace,
+            log=_stderr_log,
+            restart_count=restarts,
+            collective_timeout_s=timeout.collective_s,
+        )
+    except (ValueError, OSError) as error:
+        _stderr_log(f"error: {error}")
+        return int(ExitCode.CONFIG_ERROR)
+    with group:
+        if pid_file:
+            try:
+                group.write_pid_file(pid_file)
+            except OSError as error:
+                _stderr_log(f"error: cannot write the pid file {pid_file!r}: {error}")
+                return int(ExitCode.CONFIG_ERROR)  # leaving `with group` stops the ranks
+        return supervise(group, recorded, timeout, _stderr_log)
+
+
+def _exhausted(outcome: Outcome, restarts: int, max_restarts: int) -> int:
+    """The exit code after a failed start with no restart left (see :func:`run`)."""
+    if outcome.infrastructure or max_restarts > 0:
+        code = int(ExitCode.PREEMPTED)
+        why = f"no in-job restart left ({restarts} of {max_restarts} used)" if max_restarts else "no in-job restarts (--max-restarts 0)"
+        _stderr_log(f"{outcome.fault}; {why}: ranks exited with {outcome.codes}; exit code {code} (requeue: the next start resumes from LATEST)")
+        return code
+    _stderr_log(f"{outcome.fault}; ranks exited with {outcome.codes}; exit code {outcome.code}")
+    return outcome.code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = add_arguments(
         argparse.ArgumentParser(
             prog="resilience run",
-            description="Start local ranks, forward signals to them, exit with their code.",
+            description="Start local ranks, forward signals to them, watch their progress, restart them, exit with their code.",
         )
     )
     return run(parser.parse_args(argv))

@@ -40,6 +40,11 @@ class SlurmConfig:
     Slurm checks every 30 s, so the signal arrives between N and N+30 s before the end."""
     max_restarts: int = 10
     """Requeues allowed before the script gives up with ``ExitCode.RESTART_LIMIT`` (77)."""
+    in_job_restarts: int = 0
+    """``resilience run --max-restarts``: in-job restarts from ``LATEST`` after a stall, a crash or a kill,
+    before the launcher exits 75 and the script requeues (one node, ``launcher: resilience`` only)."""
+    progress_timeout: str | float = "auto"
+    """``resilience run --progress-timeout``: ``auto`` or seconds a rank may go without finishing a step."""
     launcher: str = "resilience"
     """``resilience`` (our launcher, one per node), ``srun`` (one task per rank) or ``torchrun``."""
     requeue: str = "requeue"
@@ -69,6 +74,7 @@ class SlurmConfig:
             raise ConfigError(f"slurm.time: {self.time!r} is not a Slurm time; accepted: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS")
         if self.launcher not in LAUNCHERS:
             raise ConfigError(f"slurm.launcher: {self.launcher!r}; accepted: {', '.join(LAUNCHERS)}")
+        self._check_watchdog()
         if self.requeue not in REQUEUE_MODES:
             raise ConfigError(f"slurm.requeue: {self.requeue!r}; accepted: {', '.join(REQUEUE_MODES)}")
         for key in ("script_args", "sbatch_extra", "setup"):
@@ -76,3 +82,17 @@ class SlurmConfig:
             if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
                 raise ConfigError(f"slurm.{key}: expected a list of strings, got {value!r}")
             setattr(self, key, [str(v) for v in value])
+
+    def _check_watchdog(self) -> None:
+        """``in_job_restarts`` and ``progress_timeout``: what ``resilience run`` accepts, where it runs."""
+        check_int("slurm.in_job_restarts", self.in_job_restarts, minimum=0)
+        timeout = self.progress_timeout
+        if isinstance(timeout, bool) or not (timeout == "auto" or (isinstance(timeout, (int, float)) and 0 < timeout < float("inf"))):
+            raise ConfigError(f"slurm.progress_timeout: expected 'auto' or a number of seconds > 0, got {timeout!r}")
+        if self.launcher != "resilience" and (self.in_job_restarts or timeout != "auto"):
+            raise ConfigError(f"slurm.in_job_restarts and slurm.progress_timeout need slurm.launcher: resilience (the watchdog is ours), got {self.launcher!r}")
+        if self.in_job_restarts and self.nodes > 1:
+            raise ConfigError(
+                "slurm.in_job_restarts: in-job restarts work on one node only; with slurm.nodes > 1 keep 0 (a failure then "
+                "exits 75 on every node and the script requeues the whole job)"
+            )

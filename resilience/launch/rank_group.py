@@ -25,7 +25,7 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 _ORDERLY_STOPS = (ExitCode.PREEMPTED, ExitCode.NO_PROGRESS, ExitCode.RESTART_LIMIT)
 
 
-def _catches(pid: int, sig: int) -> bool | None:
+def catches(pid: int, sig: int) -> bool | None:
     """Whether process ``pid`` has a handler for ``sig`` now (bit ``sig - 1`` of ``SigCgt`` in
     ``/proc/PID/status``, Linux); ``None`` when that cannot be read."""
     try:
@@ -79,6 +79,10 @@ class RankGroup:
         self.kill_grace_s = kill_grace_s
         self._log = log or (lambda message: None)
         self._failed_at: float | None = None
+        self.first_failure: tuple[int, int] | None = None
+        """(local rank, ``Popen.returncode``) of the first rank seen exiting non-zero while others ran."""
+        self.before_term: Callable[[], None] | None = None
+        """Called right before the failure grace's SIGTERM (``resilience run`` prints the stacks there)."""
         self._term_sent_at: float | None = None
         self._kill_sent = False
 
@@ -129,9 +133,9 @@ class RankGroup:
         ``ready_timeout_s`` after the start count as ready, so such a program still gets its signals."""
         if self.ready_dir is None or ready_marker(self.ready_dir, self.ranks[local]).exists():
             return True
-        catches = _catches(self.procs[local].pid, sig) if sig is not None else None
-        if catches is not None:
-            return catches
+        handled = catches(self.procs[local].pid, sig) if sig is not None else None
+        if handled is not None:
+            return handled
         return time.monotonic() - self._started_at >= self.ready_timeout_s
 
     def request_stop(self, sig: int) -> tuple[list[int], list[int]]:
@@ -172,9 +176,9 @@ class RankGroup:
         not handle it but handles another stop signal (every one asks for the same stop, and
         ``sig`` would kill it). A program that handles none of them gets ``sig``, as without us."""
         pid = self.procs[local].pid
-        if _catches(pid, sig) is not False:
+        if catches(pid, sig) is not False:
             return sig
-        return next((alt for alt in STOP_SIGNALS if _catches(pid, alt)), sig)
+        return next((alt for alt in STOP_SIGNALS if catches(pid, alt)), sig)
 
     def _release_held(self) -> None:
         for local in list(self._held):
@@ -223,13 +227,15 @@ class RankGroup:
             failed = [(local, code) for local, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 self._failed_at = now
-                local, code = failed[0]
+                local, code = self.first_failure = failed[0]
                 # 75/76/77 are orderly stops (the others normally follow within moments); the
                 # grace and then SIGTERM still apply, so a peer stuck in a collective cannot hang us.
                 what = "stopped with" if code in _ORDERLY_STOPS else "exited with"
                 self._log(f"rank {self.ranks[local]} {what} {describe_code(code)}; waiting up to {self.failure_grace_s:g} s for the other ranks")
         elif self._term_sent_at is None:
             if now - self._failed_at >= self.failure_grace_s:
+                if self.before_term is not None:
+                    self.before_term()
                 sent = self.send_signal(signal.SIGTERM)
                 self._term_sent_at = now
                 self._log(f"failure grace of {self.failure_grace_s:g} s expired; sent SIGTERM to ranks {self._global(sent)}")

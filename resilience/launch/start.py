@@ -14,6 +14,9 @@ variable                   value
 ``MASTER_ADDR``            ``master_addr`` (default ``127.0.0.1``)
 ``MASTER_PORT``            see :func:`resolve_master_port`
 ``RESILIENCE_LAUNCHER_PID``  the launcher's pid
+``RESILIENCE_PROGRESS_FILE``  where the rank reports its progress (:mod:`resilience.progress`)
+``RESILIENCE_RESTART_COUNT``  ``restart_count``: in-job restarts before this start
+``RESILIENCE_COLLECTIVE_TIMEOUT_S``  ``collective_timeout_s``, when given
 =========================  ==========================================================
 
 Ranks stay in the launcher's process group (no ``setsid``), so a terminal's Ctrl-C and
@@ -28,10 +31,11 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 
-from resilience.env_names import LAUNCHER_PID_ENV, READY_DIR_ENV, STOP_FILE_ENV, TORCH
+from resilience.env_names import COLLECTIVE_TIMEOUT_ENV, LAUNCHER_PID_ENV, PROGRESS_FILE_ENV, READY_DIR_ENV, RESTART_COUNT_ENV, STOP_FILE_ENV, TORCH
 from resilience.launch.ports import resolve_master_port
 from resilience.launch.rank_group import Log, RankGroup
 from resilience.launch.ready_dirs import make_ready_dir
+from resilience.progress import progress_file
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -58,6 +62,8 @@ def launch(
     failure_grace_s: float = 30.0,
     kill_grace_s: float = 5.0,
     log: Log | None = None,
+    restart_count: int = 0,
+    collective_timeout_s: float | None = None,
 ) -> RankGroup:
     """Start ``nproc_per_node`` processes running ``cmd``, one per local rank.
 
@@ -73,6 +79,9 @@ def launch(
         failure_grace_s: see :class:`RankGroup` (seconds).
         kill_grace_s: see :class:`RankGroup` (seconds).
         log: called with one line per notable event (failure grace, kills); default silent.
+        restart_count: in-job restarts before this start (``RESILIENCE_RESTART_COUNT``, >= 0).
+        collective_timeout_s: the ranks' ``RESILIENCE_COLLECTIVE_TIMEOUT_S`` (seconds > 0); not
+            set when ``None``.
 
     Ranks inherit stdin/stdout/stderr and the launcher's process group. Returns the
     :class:`RankGroup`; use it as a context manager so no rank outlives the caller.
@@ -90,6 +99,9 @@ def launch(
         raise ValueError(f"node_rank must be in 0..nnodes-1 = 0..{nnodes - 1}, got {node_rank}")
     failure_grace_s = _check_seconds("failure_grace_s", failure_grace_s)
     kill_grace_s = _check_seconds("kill_grace_s", kill_grace_s)
+    _check_int("restart_count", restart_count, 0)
+    if collective_timeout_s is not None and not _check_seconds("collective_timeout_s", collective_timeout_s) > 0:
+        raise ValueError(f"collective_timeout_s must be a number of seconds > 0, got {collective_timeout_s!r}")
 
     base = dict(os.environ)
     base.update(env or {})
@@ -116,6 +128,10 @@ def launch(
             )
             rank_env[READY_DIR_ENV] = ready_dir
             rank_env[STOP_FILE_ENV] = stop_file
+            rank_env[PROGRESS_FILE_ENV] = progress_file(ready_dir, rank)
+            rank_env[RESTART_COUNT_ENV] = str(restart_count)
+            if collective_timeout_s is not None:
+                rank_env[COLLECTIVE_TIMEOUT_ENV] = f"{collective_timeout_s:g}"
             procs.append(subprocess.Popen(list(cmd), env=rank_env))
     except BaseException:
         for proc in procs:

@@ -141,6 +141,17 @@ def _launch_source(config: ResilienceConfig) -> str:
     return launch.replace("@TORCHRUN_POLL@", _source("torchrun-poll.sh.in").rstrip("\n"))
 
 
+def _run_options(config: ResilienceConfig) -> str:
+    """`` --max-restarts N --progress-timeout S`` for ``resilience run``; empty at the defaults (0, ``auto``)."""
+    s = config.slurm
+    options = []
+    if s.in_job_restarts:
+        options.append(f" --max-restarts {s.in_job_restarts}")
+    if s.progress_timeout != "auto":
+        options.append(f" --progress-timeout {s.progress_timeout:g}")
+    return "".join(options)
+
+
 def _master_addr(config: ResilienceConfig) -> str:
     if config.slurm.nodes == 1:
         return "export MASTER_ADDR=127.0.0.1"
@@ -191,6 +202,7 @@ def render_slurm(config: ResilienceConfig, *, config_path: str | None) -> str:
         "PYTHON": shlex.quote(s.python),
         "COMMAND": _command(config, config_path),
         "NPROC": str(s.nproc_per_node),
+        "RUN_OPTIONS": _run_options(config),
         "CPUS_PER_TASK": str(cpus_per_task),
         "STEP_CPUS": str(s.nproc_per_node * cpus_per_task),
     }

@@ -30,6 +30,13 @@ class StepScheduler:
         self.global_step += 1
         self.batches_in_epoch += batches
 
+    def at_last_batch(self, loader_length: int | None) -> bool:
+        """True right after the last batch of the last epoch, for a loader of ``loader_length``
+        batches (``None``, no length: it cannot tell before its iterator is exhausted)."""
+        if self.epoch + 1 < self.num_epochs:
+            return False
+        return loader_length is not None and self.batches_in_epoch >= loader_length
+
     def finish_epoch(self) -> None:
         """Move to the next epoch's first batch."""
         self.epoch += 1

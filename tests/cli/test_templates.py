@@ -396,3 +396,26 @@ def test_a_config_without_a_slurm_section_renders_defaults_with_a_warning(tmp_pa
     with_section.write_text("slurm:\n  script: train.py\n")
     assert cli.main(["template", "slurm", str(with_section)]) == 0
     assert "no slurm: section" not in capsys.readouterr().err
+
+
+def test_in_job_restarts_and_the_progress_timeout_reach_resilience_run() -> None:
+    text = render_slurm(config_from_dict(_variant(in_job_restarts=2, progress_timeout=900)), config_path=CONFIG_PATH)
+    assert "-m resilience run --nproc-per-node 4 --max-restarts 2 --progress-timeout 900 --master-port" in text
+    multi = render_slurm(config_from_dict(_variant(nodes=2, progress_timeout=120.5)), config_path=CONFIG_PATH)
+    assert "--nproc-per-node 4 --progress-timeout 120.5 --master-addr" in multi
+    assert "--max-restarts" not in _render("single") and "--progress-timeout" not in _render("multinode")  # defaults: as before
+
+
+@pytest.mark.parametrize(
+    "slurm, fragment",
+    [
+        ({"in_job_restarts": 1, "nodes": 2}, "slurm.in_job_restarts: in-job restarts work on one node only"),
+        ({"in_job_restarts": -1}, "slurm.in_job_restarts"),
+        ({"progress_timeout": "soon"}, "slurm.progress_timeout: expected 'auto' or a number of seconds > 0"),
+        ({"progress_timeout": 0}, "slurm.progress_timeout"),
+        ({"in_job_restarts": 1, "launcher": "srun"}, "need slurm.launcher: resilience"),
+    ],
+)
+def test_a_watchdog_setting_resilience_run_cannot_take_is_a_config_error(slurm: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        config_from_dict(_variant(**slurm))

@@ -9,8 +9,10 @@ step, of step N. SLEEP_PER_STEP_S slows steps down.
 
 import gc
 import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -56,9 +58,28 @@ g = torch.Generator().manual_seed(rank)
 batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(40)]
 raise_at = int(os.environ.get("RAISE_AT_STEP", "0"))
 sleep_s = float(os.environ.get("SLEEP_PER_STEP_S", "0"))
+faults = {int(at): kind for kind, at in (item.split("@") for item in os.environ.get("FAULTS", "").split(",") if item)}
+
+
+def fault(step_number: int) -> None:
+    kind = faults.get(step_number)
+    if kind is None or rank != int(os.environ.get("FAULT_RANK", "1")):
+        return
+    marker = Path(os.environ["FAULT_DIR"]) / f"fault_{kind}"
+    if marker.exists():
+        return
+    marker.touch()
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        time.sleep(3600)  # the hang: tests find this line in the launcher's stack dump
+
 
 try:
     loop = resilient_loop(cfg, model=net, optimizer=optimizer, dataloader=batches)
+    announced = False
     with loop:
         for step in loop:
             x, y = step.batch
@@ -68,6 +89,9 @@ try:
             if step.global_step == raise_at and rank == int(os.environ.get("RAISE_RANK", "0")):
                 raise RuntimeError(f"injected exception in step {raise_at} on rank {rank}")
             optimizer.step()
+            if loop.resumed_from is not None and not announced:
+                announced = print(f"rank {rank}: resumed from {loop.resumed_from.name}", flush=True) or True
+            fault(step.global_step)
             loop.log(loss=loss.item())
             if sleep_s:
                 time.sleep(sleep_s)

@@ -31,6 +31,7 @@ from resilience.checkpoint.layout import STARTS_FILE
 from resilience.exit_codes import ExitCode
 
 if TYPE_CHECKING:  # torch-free at run time
+    from resilience.config.checkpoint import CheckpointConfig
     from resilience.distributed import DistContext
 
 log = logging.getLogger("resilience")
@@ -59,6 +60,14 @@ def must_end(ctx: DistContext, root: Path, resumed_from: Path | None, limit: int
         root / STARTS_FILE,
     )
     return True
+
+
+def must_end_for(config: CheckpointConfig, ctx: DistContext, root: Path, resumed_from: Path | None) -> bool:
+    """:func:`must_end` with the limits of ``config`` (``checkpoint.*``); always False when the
+    checkpoint is disabled or saving is off."""
+    if not (config.enabled and config.enable_save):
+        return False
+    return must_end(ctx, root, resumed_from, config.max_restarts_without_progress, config.max_preemptions_without_progress)
 
 
 def read(root: Path) -> dict[str, Any] | None:

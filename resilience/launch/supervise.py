@@ -1,0 +1,75 @@
+"""One start of the local ranks, watched until they exit, and what its end means for a restart.
+
+:func:`supervise` forwards the signals the launcher records, drives the :class:`RankGroup`'s
+failure grace, and runs the progress :class:`~resilience.launch.watchdog.Watchdog`. On a stall it
+prints the ranks' stacks (:func:`~resilience.launch.stacks.dump_stacks`), ends every local rank
+(SIGTERM, SIGKILL after the kill grace) and reaps them. The :class:`Outcome` says whether the start
+ended in order (every rank exited with the same code of the contract, or the launcher was asked
+to stop) or failed, and how.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+from resilience.exit_codes import ExitCode
+from resilience.launch.exit_status import describe_code
+from resilience.launch.forwarding import RecordedSignals, forward
+from resilience.launch.rank_group import POLL_INTERVAL_S, Log, RankGroup
+from resilience.launch.stacks import dump_stacks
+from resilience.launch.watchdog import ProgressTimeout, Watchdog
+
+#: Codes that end a start in order when every rank exits with one of them: training done, a bad
+#: configuration, an agreed stop, the requeue-loop guard. Never restarted in-job.
+ORDERLY_CODES = frozenset(int(code) for code in (ExitCode.DONE, ExitCode.CONFIG_ERROR, ExitCode.PREEMPTED, ExitCode.NO_PROGRESS, ExitCode.RESTART_LIMIT))
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How one start ended.
+
+    ``code``: the ranks' combined exit code (:func:`combine_exit_codes`). ``fault``: why the start
+    failed, one line (``None``: it ended in order, or the launcher received a signal, so the job
+    is being stopped and nothing is restarted). ``infrastructure``: the fault was a stall or a
+    rank's death by a signal nobody asked for (not an exception in the program), in ranks that run
+    :func:`~resilience.resilient_loop` (they reported progress): worth another allocation (exit 75)
+    even without in-job restarts.
+    """
+
+    code: int
+    codes: list[int]
+    fault: str | None = None
+    infrastructure: bool = False
+
+
+def supervise(group: RankGroup, recorded: RecordedSignals, timeout: ProgressTimeout, log: Log) -> Outcome:
+    """Watch ``group`` until every rank has exited (see the module docstring); return the :class:`Outcome`."""
+    watchdog = Watchdog(group, timeout)
+    group.before_term = lambda: dump_stacks(group, watchdog.describe, log)
+    received = False
+    code = None
+    while code is None:
+        for signum in recorded.take(POLL_INTERVAL_S):
+            received = True
+            forward(group, signum, log)
+        code = group.poll()
+        if code is None and not received:
+            stall = watchdog.check()
+            if stall is not None:
+                log(f"watchdog: {stall.describe()}; printing the stacks of every local rank, then ending them")
+                dump_stacks(group, watchdog.describe, log)
+                code = group.terminate()
+                codes = [proc.returncode for proc in group.procs]
+                if code == ExitCode.DONE:  # it was only slow, and finished meanwhile
+                    return Outcome(code, codes)
+                return Outcome(code, codes, stall.describe(), infrastructure=True)
+    codes = [proc.returncode for proc in group.procs]
+    if received or (len(set(codes)) == 1 and codes[0] in ORDERLY_CODES):
+        return Outcome(code, codes)
+    # exited in the same poll: a death by a signal is the likelier cause of the others' errors
+    local, first = group.first_failure or min(((local, c) for local, c in enumerate(codes) if c != 0), key=lambda item: item[1] >= 0)
+    # SIGTERM: the failure grace's, or someone's stop. A program outside resilient_loop (no report)
+    # has no LATEST to resume from: its kill is not turned into a requeue.
+    killed = first < 0 and first != -signal.SIGTERM and bool(watchdog.read())
+    return Outcome(code, codes, f"rank {group.ranks[local]} exited with {describe_code(first)}", infrastructure=killed)

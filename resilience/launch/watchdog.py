@@ -1,0 +1,198 @@
+"""``resilience run``'s progress watchdog: which local rank stopped reporting progress, for how long.
+
+Each rank under :func:`~resilience.resilient_loop` writes a progress record
+(:mod:`resilience.progress`); :class:`Watchdog` reads them and compares each rank's silence with
+the limit of the phase it reported (:class:`ProgressTimeout`), like nvidia-resiliency-ext's
+section timeouts:
+
+==========================  ==========================================  ==================================
+phase                       ``--progress-timeout S``                    ``--progress-timeout auto``
+==========================  ==========================================  ==================================
+no report yet, starting,    ``max(S, startup)``                         ``startup``
+loading, the first step
+a step                      ``S``                                       ``max(60, 5 x longest step)``
+a save                      ``max(S, 120, 5 x longest save)``           ``max(60, 120, 5 x longest save)``
+done (the loop ended)       not watched                                 not watched
+==========================  ==========================================  ==================================
+
+``startup`` is ``--startup-timeout`` (default 600 s). A rank with no record yet is watched only
+once another local rank has written one: a program that does not use the loop never reports,
+and is then watched only for its exit. A stopped process (SIGSTOP) or one stuck in a collective
+whose peer is gone reports nothing either, so both end as a stall.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+
+from resilience.launch.rank_group import RankGroup
+from resilience.progress import RECORD_BYTES, progress_file
+
+AUTO = "auto"
+AUTO_FACTOR = 5.0
+"""Safety factor on the longest step and save time reported (``auto``)."""
+AUTO_STEP_FLOOR_S = 60.0
+SAVE_FLOOR_S = 120.0
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+CHECK_INTERVAL_S = 0.25
+"""Seconds between two reads of the records (the detection latency beyond the limit)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """One rank's progress record (see :mod:`resilience.progress`); ``t`` is ``time.monotonic()``."""
+
+    phase: str
+    step: int
+    t: float
+    max_step_s: float
+    max_save_s: float
+
+
+def read_report(path: str) -> Report | None:
+    """The record at ``path``; ``None`` when there is none or it cannot be parsed (half written)."""
+    try:
+        with open(path, "rb") as fh:
+            doc = json.loads(fh.read(RECORD_BYTES))
+        return Report(str(doc["phase"]), int(doc["step"]), float(doc["t"]), float(doc["max_step_s"]), float(doc["max_save_s"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressTimeout:
+    """The watchdog's limits. ``seconds``: ``--progress-timeout`` (``None`` = ``auto``);
+    ``startup_s``: ``--startup-timeout``. See the module docstring for the table."""
+
+    seconds: float | None = None
+    startup_s: float = DEFAULT_STARTUP_TIMEOUT_S
+
+    @classmethod
+    def parse(cls, text: str, startup_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> ProgressTimeout:
+        """``"auto"`` or a number of seconds > 0. Raises ``ValueError`` naming
+        ``--progress-timeout`` / ``--startup-timeout`` and their accepted forms."""
+        if not isinstance(startup_s, (int, float)) or isinstance(startup_s, bool) or not startup_s > 0:
+            raise ValueError(f"--startup-timeout: expected a number of seconds > 0, got {startup_s!r}")
+        if str(text).strip().lower() == AUTO:
+            return cls(None, float(startup_s))
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0 or seconds == float("inf"):
+            raise ValueError(f"--progress-timeout: expected 'auto' or a number of seconds > 0, got {text!r}")
+        return cls(seconds, float(startup_s))
+
+    def limit(self, report: Report | None) -> float | None:
+        """Seconds of silence allowed after ``report`` (``None``: the rank has not reported yet);
+        ``None`` when the rank is not watched (its loop ended)."""
+        if report is None or report.phase in ("starting", "loading") or (report.phase == "step" and report.max_step_s == 0):
+            return max(self.startup_s, self.seconds or 0.0)
+        if report.phase == "done":
+            return None
+        step_limit = self.seconds if self.seconds is not None else max(AUTO_STEP_FLOOR_S, AUTO_FACTOR * report.max_step_s)
+        if report.phase == "saving":
+            return max(step_limit, SAVE_FLOOR_S, AUTO_FACTOR * report.max_save_s)
+        return step_limit
+
+    @property
+    def collective_s(self) -> float:
+        """The ranks' bound on each collective of the library's own groups: the longest limit known
+        before any report (a peer may legitimately wait that long for another's load)."""
+        return max(self.startup_s, self.seconds or 0.0, SAVE_FLOOR_S)
+
+    def describe(self) -> str:
+        """``"15 s"`` or ``"auto"`` for log lines."""
+        return AUTO if self.seconds is None else f"{self.seconds:g} s"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stall:
+    """A rank silent for longer than its limit."""
+
+    local: int
+    rank: int
+    pid: int
+    report: Report | None
+    silent_s: float
+    limit_s: float
+    stopped: bool
+    """The process is stopped (SIGSTOP, SIGTSTP, a debugger), not running."""
+
+    def describe(self) -> str:
+        """One line: which rank, what it was doing, for how long, and the limit."""
+        if self.report is None:
+            doing = "before its first progress report (starting)"
+        elif self.report.phase == "step":
+            doing = f"training (last reported step: {self.report.step})"
+        else:
+            doing = f"{self.report.phase} (last reported step: {self.report.step})"
+        state = " and is stopped (SIGSTOP?)" if self.stopped else ""
+        return f"rank {self.rank} (pid {self.pid}) made no progress for {self.silent_s:.1f} s while {doing}{state}; limit {self.limit_s:g} s"
+
+
+def is_stopped(pid: int) -> bool:
+    """True when process ``pid`` is stopped (state ``T``/``t`` in ``/proc/PID/stat``, Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+class Watchdog:
+    """Reads the progress records of ``group``'s ranks and finds one that stalled.
+
+    ``clock`` must be ``time.monotonic`` (the ranks' records use it) unless a test passes both.
+    """
+
+    def __init__(self, group: RankGroup, timeout: ProgressTimeout, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.group = group
+        self.timeout = timeout
+        self._clock = clock
+        self._started = clock()
+        self._next_check = self._started
+        self.reports: dict[int, Report] = {}
+        """The latest record read per local rank."""
+
+    def check(self) -> Stall | None:
+        """A live local rank silent beyond its limit, or ``None``; reads the records at most every
+        :data:`CHECK_INTERVAL_S` seconds (``None`` in between). Of several, a stopped one, else the
+        one silent longest (its peers may only be waiting for it in a collective)."""
+        now = self._clock()
+        if now < self._next_check:
+            return None
+        self._next_check = now + CHECK_INTERVAL_S
+        if not self.read():
+            return None  # nobody reports: a program without the loop, watched for its exit only
+        stalls = []
+        for local, code in enumerate(self.group.returncodes):
+            report = self.reports.get(local)
+            limit = self.timeout.limit(report) if code is None else None
+            if limit is None:
+                continue
+            silent = now - (report.t if report is not None else self._started)
+            if silent > limit:
+                pid = self.group.procs[local].pid
+                stalls.append(Stall(local, self.group.ranks[local], pid, report, silent, limit, is_stopped(pid)))
+        return max(stalls, key=lambda stall: (stall.stopped, stall.silent_s), default=None)
+
+    def read(self) -> dict[int, Report]:
+        """Read every rank's record now into :attr:`reports` (a missing or torn one keeps the
+        previous); returns :attr:`reports`, empty while no rank has reported."""
+        if self.group.ready_dir is not None:
+            for local, rank in enumerate(self.group.ranks):
+                report = read_report(progress_file(self.group.ready_dir, rank))
+                if report is not None:
+                    self.reports[local] = report
+        return self.reports
+
+    def describe(self, local: int) -> str:
+        """What local rank ``local`` last reported, for the stack dump's header."""
+        report = self.reports.get(local)
+        if report is None:
+            return "no progress report yet"
+        return f"last report: {report.phase}, step {report.step}, {self._clock() - report.t:.1f} s ago"
