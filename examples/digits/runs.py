@@ -51,10 +51,13 @@ def run(
     signal_at_step: int | None = None,
     sig: int = signal.SIGUSR1,
     timeout: float = 180.0,
+    script: Path = TRAIN,
+    config: Path = CONFIG,
 ) -> RunResult:
-    """Run the example with ``nproc`` ranks; optionally send ``sig`` to one rank only, once rank 0
-    has logged ``signal_at_step`` steps. Returns each rank's exit code."""
-    cmd = [sys.executable, str(TRAIN), "--config", str(CONFIG), f"checkpoint.checkpoint_dir={ckpt_dir}", *overrides]
+    """Run the example (``script --config config``; the digits one unless given) with ``nproc`` ranks;
+    optionally send ``sig`` to one rank only, once rank 0 has logged ``signal_at_step`` steps.
+    Returns each rank's exit code."""
+    cmd = [sys.executable, str(script), "--config", str(config), f"checkpoint.checkpoint_dir={ckpt_dir}", *overrides]
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     if nproc == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -63,7 +66,7 @@ def run(
     with launch(cmd, nproc, env=env, failure_grace_s=20.0) as group:
         while group.poll() is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"digits run in {ckpt_dir} did not finish in {timeout} s")
+                raise TimeoutError(f"{script.parent.name} run in {ckpt_dir} did not finish in {timeout} s")
             if signal_rank is not None and sent_at is None:
                 rows = _rows(ckpt_dir)
                 if rows and rows[-1]["global_step"] >= signal_at_step:
@@ -95,8 +98,9 @@ def final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt_dir / LATEST / model_file()))
 
 
-def compare(run_dir: Path, reference_dir: Path) -> Comparison:
-    """Compare a (preempted and resumed) run with an uninterrupted reference run, bitwise."""
+def compare(run_dir: Path, reference_dir: Path, weights=final_weights) -> Comparison:
+    """Compare a (preempted and resumed) run with an uninterrupted reference run, bitwise;
+    ``weights(ckpt_dir)`` reads the final weights of a run (``{name: tensor}``)."""
     rows, ref = _rows(run_dir), _rows(reference_dir)
     steps_a = [r["global_step"] for r in rows]
     steps_b = [r["global_step"] for r in ref]
@@ -108,7 +112,7 @@ def compare(run_dir: Path, reference_dir: Path) -> Comparison:
     if not losses_equal and steps_a == steps_b:
         first = next(a["global_step"] for a, b in zip(rows, ref) if a["loss"] != b["loss"])
         detail.append(f"losses first differ at step {first}")
-    wa, wb = final_weights(run_dir), final_weights(reference_dir)
+    wa, wb = weights(run_dir), weights(reference_dir)
     weights_equal = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     if not weights_equal:
         detail.append("final weights differ")
