@@ -20,11 +20,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "digits"))  # the digits demo's runner: launch, signal one rank, compare
 
-from bundle import CONFIG, TRAIN, export_bundle, final_weights, generate  # noqa: E402
-from runs import compare, latest_name, run  # noqa: E402
-
 import torch  # noqa: E402
+
+from bundle import CONFIG, TRAIN, export_bundle, final_weights, generate  # noqa: E402
 from resilience import ExitCode  # noqa: E402
+from runs import compare, latest_name, run  # noqa: E402
 
 ROOT = HERE.parents[1] / "runs" / "demo-llm"
 SIGNAL_AT_STEP = 12  # of llm.yaml's 24
