@@ -8,6 +8,7 @@ consolidate`` and ``transformers.AutoModelForCausalLM.from_pretrained``.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import warnings
@@ -23,8 +24,16 @@ HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train.py"
 CONFIG = HERE / "llm.yaml"
 
-sys.path.insert(0, str(HERE))
-from train import build_model  # noqa: E402  (the same model the ranks build)
+
+def _train_module():
+    """``train.py`` under its own name (a ``train`` module may already be imported elsewhere)."""
+    spec = importlib.util.spec_from_file_location("llm_train", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_model = _train_module().build_model  # the same model the ranks build
 
 
 def plain_model(config: Path = CONFIG) -> torch.nn.Module:
