@@ -1,0 +1,37 @@
+"""Run ``helpers/sharded_train.py`` (a tiny model sharded with FSDP2, TP or both) through the
+examples' runner, and read a run's final weights back as full tensors.
+
+Shared by the sharded end-to-end tests and the fault harness's sharded test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from resilience.checkpoint.formats.model_io import load_model
+from resilience.checkpoint.layout import LATEST
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+SCRIPT = HELPERS / "sharded_train.py"
+
+
+def _helper():
+    sys.path.insert(0, str(HELPERS))  # it imports its neighbour ``ranks``
+    spec = importlib.util.spec_from_file_location("sharded_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights of ``LATEST``, loaded (resharded) into an unsharded copy of the helper's model."""
+    model = _helper().Net()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        load_model(Path(ckpt_dir) / LATEST, model)
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
