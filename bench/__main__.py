@@ -3,7 +3,7 @@
     python -m bench                    # ~1 GiB fp32 model + Adam state (3 GiB), 5 rounds
     python -m bench --size 256M --repeat 3
     python -m bench --quick            # a tiny smoke run (the test suite's)
-    python -m bench --only save,load   # some sections: save, load, rss, async, agreement, exit
+    python -m bench --only save,load   # some sections: save, load, rss, async, agreement, exit, sharded
 
 Progress goes to stderr; the table (and the breakdown of our save and load) to stdout; the
 figures, with the raw times (s) and sizes (bytes) beside them, to ``bench/results/latest.json``
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("save", "load", "rss", "async", "agreement", "exit")
+SECTIONS = ("save", "load", "rss", "async", "agreement", "exit", "sharded")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     import torch
 
-    from bench import report
+    from bench import report, report_sharded
     from bench.common import build_state, filesystem_of, human_bytes, nbytes, remove, state_tensors
 
     def log(message: str) -> None:
@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
                 teardown_cases=("plain",) if quick else ("plain", "gc_freeze", "os_exit"),
             ),
         )
+        from bench import sharded_save
+
+        # FSDP2 over 2 ranks, each holding and writing half of a state of the same size as above.
+        section("sharded", lambda: sharded_save.bench_sharded_save(run_dir, args.size, args.repeat, timeout_s=180 if quick else 1800, log=log))
     finally:
         remove(run_dir)
         try:
@@ -173,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
 
     fig = report.figures(results)
+    fig.update(report_sharded.figures(results))
     meta["seconds"] = time.perf_counter() - started
     meta["loadavg_at_end"] = os.getloadavg()
     doc = {**fig, "meta": meta, "details": {name: _jsonable(value) for name, value in results.items()}}
@@ -187,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{title}; medians of {args.repeat} round(s), each ratio paired with its anchor in the same round; "
         f"load average {meta['loadavg_at_start'][0]:.1f} at the start, {meta['loadavg_at_end'][0]:.1f} at the end.\n"
     )
-    print(report.table(fig, meta))
+    print(report.table(fig, meta, report_sharded.rows(fig)))
     if isinstance(results.get("breakdown"), dict) and "save" in results["breakdown"]:
         print("\nWhere our save and load spend their time (one run, phases nest):\n")
         print(report.breakdown_table(results["breakdown"]))

@@ -22,6 +22,8 @@ KEYS = (
     "agreement_overhead_fraction",
     "signal_to_exit_vs_budget",
     "save_peak_extra_rss_fraction",
+    "sharded_save_vs_disk",
+    "sharded_save_vs_dcp",
 )
 
 # key -> (comparison, bound, text); None: a comparison with a peer, no target in the issue.
@@ -35,6 +37,8 @@ TARGETS: dict[str, tuple[str, float, str] | None] = {
     "agreement_overhead_fraction": ("<=", 0.01, "<= 1 % of a step"),
     "signal_to_exit_vs_budget": ("<=", 1.0, "<= step + save + 1 s"),
     "save_peak_extra_rss_fraction": ("<=", 0.10, "<= 10 % of the state"),
+    "sharded_save_vs_disk": (">=", 0.9, ">= 0.9 of the disk rate"),
+    "sharded_save_vs_dcp": None,
 }
 STOP_LATENCY_TARGET_S = 1.0
 
@@ -58,8 +62,8 @@ def _entry(key: str, value: float | None, **raw: Any) -> dict[str, Any]:
 
 
 def figures(results: dict[str, Any]) -> dict[str, Any]:
-    """The nine keys of the issue from the sections' raw results (missing sections: ``value``
-    None with an ``error`` or ``status``)."""
+    """The keys of the issues from the sections' raw results (missing sections: ``value``
+    None with an ``error`` or ``status``); ``bench.report_sharded.figures`` replaces the sharded ones."""
     out: dict[str, Any] = {}
     save = results.get("save")
     if isinstance(save, dict) and "times" in save:
@@ -181,6 +185,8 @@ def figures(results: dict[str, Any]) -> dict[str, Any]:
                 "agreement_overhead_fraction": "agreement",
                 "signal_to_exit_vs_budget": "exit",
                 "save_peak_extra_rss_fraction": "rss",
+                "sharded_save_vs_disk": "sharded",
+                "sharded_save_vs_dcp": "sharded",
             }[key]
             got = results.get(section)
             reason = got.get("error") if isinstance(got, dict) and "error" in got else "skipped"
@@ -209,8 +215,9 @@ def _x(v: float | None, fmt: str = "{:.2f}x") -> str:
     return "n/a" if v is None else fmt.format(v)
 
 
-def table(fig: dict[str, Any], meta: dict[str, Any]) -> str:
-    """The markdown table of the issue's figures (one row per figure, with its anchor)."""
+def table(fig: dict[str, Any], meta: dict[str, Any], extra_rows: list[tuple[str, str, str, str, str, str]] = ()) -> str:
+    """The markdown table of the issue's figures (one row per figure, with its anchor), then ``extra_rows``
+    (``bench.report_sharded.rows``)."""
     rows: list[tuple[str, str, str, str, str, str]] = []
     state = meta.get("state_bytes") or 0
     f = fig["save_vs_disk"]
@@ -383,6 +390,7 @@ def table(fig: dict[str, Any], meta: dict[str, Any]) -> str:
         )
     else:
         rows.append(("peak extra RSS", "n/a", "", "", f.get("target") or "", f.get("error", "n/a")))
+    rows += extra_rows
     header = ("figure", "ours", "anchor (same run)", "ratio", "target", "")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]

@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
     print(f"   signal sent once rank 0 had logged step {first.signalled_at_step}; exit codes per rank: {first.codes}; saved: {latest_name(preempted)}")
     if first.codes != [ExitCode.PREEMPTED] * 2:
         print(f"   FAIL: expected both ranks to exit {int(ExitCode.PREEMPTED)} (PREEMPTED)")
-        ok = False
+        print("RESULT: NOT identical (the preempted run did not save and exit 75)")
+        return 1
 
     print("2. the same command again: resumes from LATEST and finishes", flush=True)
     second = run(preempted, 2, **llm)

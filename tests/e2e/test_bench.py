@@ -45,7 +45,17 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
 
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert table[0].startswith("| figure | ours | anchor (same run) | ratio | target |")
-    for label in ("sync save", "load for resume", "async save", "stop agreement, ours k=1", "stop latency, k=1", "signal to exit", "peak extra RSS"):
+    for label in (
+        "sync save",
+        "load for resume",
+        "async save",
+        "stop agreement, ours k=1",
+        "stop latency, k=1",
+        "signal to exit",
+        "peak extra RSS",
+        "sync save, FSDP2 2 ranks",
+        "sharded save vs DCP save",
+    ):
         assert any(row.startswith(f"| {label}") for row in table), f"no table row for {label!r}:\n" + "\n".join(table)
 
     doc = json.loads(out.read_text())
@@ -68,5 +78,12 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
     assert doc["agreement_overhead_fraction"]["stop_latency_steps"]["k1"] >= 1
     assert doc["signal_to_exit_vs_budget"]["all_exited_preempted"] is True
     assert doc["save_peak_extra_rss_fraction"]["state_bytes"] == doc["meta"]["state_bytes"]
+    # the sharded save: 2 ranks, each holding about half of a state of the same size, all three methods timed
+    sharded = doc["sharded_save_vs_disk"]
+    assert sharded["world_size"] == 2 and len(sharded["state_bytes_per_rank"]) == 2
+    assert abs(sharded["state_bytes_per_rank"][0] - sharded["state_bytes_per_rank"][1]) < 0.1 * sharded["state_bytes"]
+    assert sharded["state_bytes"] > 3 * (4 << 20) * 0.9
+    assert sharded["ours_s"] > 0 and sharded["disk_s"] > 0 and doc["sharded_save_vs_dcp"]["dcp_s"] > 0
+    assert sharded["bytes_written"]["ours"] >= sharded["state_bytes"]
     # the scratch files are gone
     assert not any(work.iterdir()) if work.exists() else True
