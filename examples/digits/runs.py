@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -74,6 +76,55 @@ def run(
                     sent_at = rows[-1]["global_step"]
             time.sleep(0.005)
         codes = [proc.returncode for proc in group.procs]
+    return RunResult(codes=codes, signalled_at_step=sent_at)
+
+
+def run_cli(
+    ckpt_dir: Path,
+    nproc: int,
+    *,
+    overrides: list[str] = (),
+    signal_rank: int | None = None,
+    signal_at_step: int | None = None,
+    sig: int = signal.SIGUSR1,
+    timeout: float = 180.0,
+    script: Path = TRAIN,
+    config: Path = CONFIG,
+) -> RunResult:
+    """:func:`run` through the command itself: ``resilience run --nproc-per-node nproc script
+    --config config ...``. A signal for one rank goes to that rank's pid (from the launcher's
+    ``--pid-file``); each rank's exit code is read from the launcher's last line (``ranks exited
+    with [...]``). The launcher's and ranks' stderr is passed on once the run ended."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+    pid_file, err_file = ckpt_dir.parent / f".{ckpt_dir.name}.pids", ckpt_dir.parent / f".{ckpt_dir.name}.stderr"
+    pid_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "resilience", "run", "--nproc-per-node", str(nproc), "--pid-file", str(pid_file)]
+    cmd += [str(script), "--config", str(config), f"checkpoint.checkpoint_dir={ckpt_dir}", *overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    deadline = time.monotonic() + timeout
+    sent_at = None
+    with open(err_file, "w") as err, subprocess.Popen(cmd, env=env, stderr=err) as launcher:
+        try:
+            while launcher.poll() is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{script.parent.name} run in {ckpt_dir} did not finish in {timeout} s")
+                if signal_rank is not None and sent_at is None:
+                    rows = _rows(ckpt_dir)
+                    if rows and rows[-1]["global_step"] >= signal_at_step:
+                        pids = dict(line.split()[1:] for line in pid_file.read_text().splitlines() if line.startswith("rank "))
+                        os.kill(int(pids[str(signal_rank)]), sig)
+                        sent_at = rows[-1]["global_step"]
+                time.sleep(0.005)
+        finally:
+            if launcher.poll() is None:
+                launcher.terminate()  # the launcher stops its ranks
+    text = err_file.read_text()
+    sys.stderr.write(text)
+    err_file.unlink()
+    pid_file.unlink(missing_ok=True)
+    found = re.findall(r"ranks exited with \[([^\]]*)\]", text)
+    codes = [int(c) for c in found[-1].split(",")] if found else [launcher.returncode]
     return RunResult(codes=codes, signalled_at_step=sent_at)
 
 

@@ -1,4 +1,5 @@
-"""``make demo`` (second part): a tiny Llama sharded with FSDP2 over 2 ranks, preempted mid-run by
+"""``make demo`` (second part): a tiny Llama sharded with FSDP2 over 2 ranks (``resilience run
+--nproc-per-node 2``), preempted mid-run by
 a signal to ONE rank, resumed, compared bitwise with an uninterrupted run, then exported as a
 Hugging Face bundle that ``from_pretrained`` loads and generates from.
 
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 
 from bundle import CONFIG, TRAIN, export_bundle, final_weights, generate  # noqa: E402
 from resilience import ExitCode  # noqa: E402
-from runs import compare, latest_name, run  # noqa: E402
+from runs import compare, latest_name, run_cli  # noqa: E402
 
 ROOT = HERE.parents[1] / "runs" / "demo-llm"
 SIGNAL_AT_STEP = 12  # of llm.yaml's 24
@@ -37,8 +38,9 @@ def main(argv: list[str]) -> int:
     llm = {"script": TRAIN, "config": CONFIG, "overrides": ["device=cpu", *overrides]}
     ok = True
 
-    print("1. tiny Llama, FSDP2 over 2 ranks; SIGUSR1 goes to rank 1 only, mid-run", flush=True)
-    first = run(preempted, 2, signal_rank=1, signal_at_step=SIGNAL_AT_STEP, sig=signal.SIGUSR1, **llm)
+    print("1. resilience run --nproc-per-node 2 examples/llm/train.py: a tiny Llama, FSDP2 over 2 ranks;", flush=True)
+    print("   SIGUSR1 goes to rank 1 only, mid-run", flush=True)
+    first = run_cli(preempted, 2, signal_rank=1, signal_at_step=SIGNAL_AT_STEP, sig=signal.SIGUSR1, **llm)
     print(f"   signal sent once rank 0 had logged step {first.signalled_at_step}; exit codes per rank: {first.codes}; saved: {latest_name(preempted)}")
     if first.codes != [ExitCode.PREEMPTED] * 2:
         print(f"   FAIL: expected both ranks to exit {int(ExitCode.PREEMPTED)} (PREEMPTED)")
@@ -46,12 +48,12 @@ def main(argv: list[str]) -> int:
         return 1
 
     print("2. the same command again: resumes from LATEST and finishes", flush=True)
-    second = run(preempted, 2, **llm)
+    second = run_cli(preempted, 2, **llm)
     print(f"   exit codes per rank: {second.codes}; final checkpoint: {latest_name(preempted)}")
     ok &= second.codes == [ExitCode.DONE] * 2
 
     print("3. an uninterrupted reference run", flush=True)
-    ref = run(reference, 2, **llm)
+    ref = run_cli(reference, 2, **llm)
     print(f"   exit codes per rank: {ref.codes}")
     ok &= ref.codes == [ExitCode.DONE] * 2
 
