@@ -7,7 +7,6 @@ for reading a checkpoint back.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 MODELS = ("ddp", "fsdp2")
@@ -48,7 +47,5 @@ def final_weights(checkpoint: Path) -> dict:
     from resilience.checkpoint.formats.model_io import load_model
 
     model = plain()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        load_model(checkpoint, model)
-    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+    load_model(checkpoint, model)  # DCP or shards, any world size, into this one process
+    return model.state_dict()

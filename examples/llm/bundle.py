@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -46,10 +45,8 @@ def final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """The weights of the checkpoint ``LATEST`` points at, as full tensors (loaded by resharding
     the run's shards into an unsharded model in this process)."""
     model = plain_model()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        load_model(Path(ckpt_dir) / LATEST, model)
-    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+    load_model(Path(ckpt_dir) / LATEST, model)  # DCP or shards, any world size, into this one process
+    return model.state_dict()
 
 
 def export_bundle(ckpt_dir: Path) -> tuple[Path, str]:
