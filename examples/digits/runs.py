@@ -1,6 +1,7 @@
-"""Run the digits example preempted, resumed and uninterrupted, and compare the runs bitwise.
+"""Run an example preempted, resumed and uninterrupted, and compare the runs bitwise.
 
-Shared by ``demo.py`` (``make demo``) and the test suite. Every figure it reports is computed by
+Shared by ``demo.py`` (``make demo``), ``examples/llm/demo.py`` (which passes its own script,
+config and weights reader) and the test suite. Every figure it reports is computed by
 comparing files the runs wrote: ``training.jsonl`` (per-step loss and learning rate of rank 0)
 and the final checkpoint's model weights.
 """
