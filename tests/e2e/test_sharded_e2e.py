@@ -5,10 +5,10 @@ and the final weights loaded back from the checkpoint into an unsharded model)."
 
 import pytest
 
+from mesh_runs import SCRIPT, final_weights
 from resilience import ExitCode
 from resilience.checkpoint.storage.manifest import validate
 from runs import compare, latest_name, run
-from sharded_runs import SCRIPT, final_weights
 
 pytestmark = pytest.mark.multiproc
 STEPS = 30

@@ -1,6 +1,6 @@
 """A tiny model sharded over a device mesh (gloo, CPU) under resilient_loop(), for the sharded e2e tests.
 
-Usage (the examples' form, so ``runs.run`` starts it): sharded_train.py --config IGNORED [dotted overrides]
+Usage (the examples' form, so ``runs.run`` starts it): mesh_train.py --config IGNORED [dotted overrides]
 ``layout=fsdp2`` (``fully_shard`` per block, then the model, over all ranks), ``tp`` (each block's
 ``up`` column-wise and ``down`` row-wise over all ranks) or ``dp_tp`` (a 2-D mesh ``(world/2, 2)``:
 TP over the inner dimension, FSDP2 over the outer one). ``steps``: optimizer steps; ``sleep_s``: a

@@ -1,4 +1,4 @@
-"""Run ``helpers/sharded_train.py`` (a tiny model sharded with FSDP2, TP or both) through the
+"""Run ``helpers/mesh_train.py`` (a tiny model sharded with FSDP2, TP or both) through the
 examples' runner, and read a run's final weights back as full tensors.
 
 Shared by the sharded end-to-end tests and the fault harness's sharded test.
@@ -16,12 +16,12 @@ from resilience.checkpoint.formats.model_io import load_model
 from resilience.checkpoint.layout import LATEST
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
-SCRIPT = HELPERS / "sharded_train.py"
+SCRIPT = HELPERS / "mesh_train.py"
 
 
 def _helper():
     sys.path.insert(0, str(HELPERS))  # it imports its neighbour ``ranks``
-    spec = importlib.util.spec_from_file_location("sharded_train", SCRIPT)
+    spec = importlib.util.spec_from_file_location("mesh_train", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
