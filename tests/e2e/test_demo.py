@@ -26,7 +26,13 @@ def test_demo_preempts_one_rank_resumes_and_reports_identical():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "fmt",
-    ["torch_save", pytest.param("safetensors", marks=pytest.mark.xfail(strict=False, reason="needs i15-a: DTensor models in model_save_format: safetensors"))],
+    [
+        "torch_save",
+        pytest.param(
+            "safetensors",
+            marks=pytest.mark.xfail(strict=False, reason="needs i15-a (DTensor models in safetensors) and i15-b (the bundle from a sharded checkpoint)"),
+        ),
+    ],
 )
 def test_llm_demo_preempts_one_fsdp2_rank_resumes_reports_identical_and_generates_from_the_bundle(fmt):
     proc = subprocess.run([sys.executable, str(LLM_DEMO), f"checkpoint.model_save_format={fmt}"], capture_output=True, text=True, timeout=280)
