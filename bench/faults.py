@@ -4,7 +4,7 @@ and that the resumed run is bitwise exact.
     python -m bench.faults                     # 200 trials (a few minutes)
     python bench/faults.py --trials 20 --seed 3
     python -m bench.faults --start exec        # fresh interpreters via resilience.launch (slower)
-    python -m bench.faults --model fsdp2 --model-save-format torch_save --modes sync --kill-at-phase parts
+    python -m bench.faults --model fsdp2 --modes sync --kill-at-phase parts
                                                # a sharded (FSDP2) model, each kill inside a save's shard writing
 
 Each trial runs a small 2-rank (gloo, DDP) training under ``resilient_loop`` with a save every

@@ -14,9 +14,8 @@ from bench.common import remove
 from bench.ddp import _env
 from resilience.launch import launch
 
-# DTensor models save in the default `safetensors` format once issue 15's sharded writer (i15-a) is
-# merged; until then the sharded model goes through DCP (`torch_save`), as a user must set it today.
-MODEL_SAVE_FORMAT = "torch_save"
+# The default format: each rank writes its own DTensor shards as safetensors (the optimizer through DCP).
+MODEL_SAVE_FORMAT = "safetensors"
 
 
 def bench_sharded_save(work: Path, size: int, repeat: int, *, timeout_s: float, log: Callable[[str], None], nproc: int = 2) -> dict[str, Any]:

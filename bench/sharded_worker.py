@@ -7,7 +7,9 @@ barrier before to a barrier after, so a time covers every rank's writing:
 
 * ``disk``: each rank ``os.write``s the bytes of its local shards into its own file and fsyncs it
   (the disk's aggregate write rate for this state);
-* ``ours``: ``Checkpointer.save`` of the sharded model and optimizer (each rank writes its part);
+* ``ours``: ``Checkpointer.save`` of the sharded model and optimizer (each rank writes its part:
+  its model shards as ``model/shard-*.safetensors`` in the default format, its optimizer shard
+  through DCP; no Hugging Face bundle, ``save_consolidated: false``, so only the save is timed);
 * ``dcp``: DCP ``save`` of the same sharded state dict (``get_state_dict``; ``FileSystemWriter``
   with ``sync_files``).
 
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--size", type=int, required=True, help="fp32 model bytes (the whole model, before sharding)")
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--model-save-format", default="torch_save")
+    parser.add_argument("--model-save-format", choices=("safetensors", "torch_save"), default="safetensors")
     args = parser.parse_args(argv)
 
     import torch

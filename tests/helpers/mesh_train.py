@@ -5,7 +5,9 @@ Usage (the examples' form, so ``runs.run`` starts it): mesh_train.py --config IG
 ``up`` column-wise and ``down`` row-wise over all ranks) or ``dp_tp`` (a 2-D mesh ``(world/2, 2)``:
 TP over the inner dimension, FSDP2 over the outer one). ``steps``: optimizer steps; ``sleep_s``: a
 pause per step, so a signal sent at a logged step lands mid-run. Deterministic at a fixed world size
-and layout: two runs give bitwise-equal losses and weights.
+and layout: two runs give bitwise-equal losses and weights. (Its sibling ``sharded_train.py`` takes
+positional arguments and dumps the gathered full state for the save/reshard tests; this one logs
+losses and learning rates to ``training.jsonl`` for ``runs.compare``. Both: ``sharded_runs.py``.)
 """
 
 import argparse
