@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import remove
-from bench.ddp import _env
+from bench.ddp import rank_env
 from resilience.launch import launch
 
 # The default format: each rank writes its own DTensor shards as safetensors (the optimizer through DCP).
@@ -33,7 +33,7 @@ def bench_sharded_save(work: Path, size: int, repeat: int, *, timeout_s: float, 
     cmd += ["--model-save-format", MODEL_SAVE_FORMAT]
     log(f"sharded save: FSDP2 over {nproc} ranks, {repeat} round(s), model_save_format {MODEL_SAVE_FORMAT}")
     try:
-        with launch(cmd, nproc, env=_env(), failure_grace_s=10.0) as group:
+        with launch(cmd, nproc, env=rank_env(), failure_grace_s=10.0) as group:
             code = group.wait(timeout=timeout_s)  # subprocess.TimeoutExpired past it; leaving the block ends the ranks
             codes = [proc.returncode for proc in group.procs]
         if code != 0:
