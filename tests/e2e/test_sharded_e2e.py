@@ -11,7 +11,8 @@ from runs import compare, latest_name, run
 from sharded_runs import MESH_SCRIPT, mesh_final_weights
 
 pytestmark = pytest.mark.multiproc
-STEPS = 30
+STEPS = 20  # StepLR(step_size=7): the LR changes twice; the signal at step 6 lands mid-run
+SIGNAL_AT = 6
 # Every mesh in the default format (each rank its own safetensors shards); the model as DCP files
 # (`torch_save`) once, on the smallest mesh, to keep the suite's time in check.
 CASES = [("fsdp2", 2, "safetensors"), ("fsdp2", 4, "safetensors"), ("tp", 2, "safetensors"), ("dp_tp", 4, "safetensors"), ("fsdp2", 2, "torch_save")]
@@ -42,11 +43,11 @@ def references(tmp_path_factory):
 @pytest.mark.parametrize("layout,nproc,fmt", CASES, ids=[f"{layout}-{nproc}ranks-{fmt}" for layout, nproc, fmt in CASES])
 def test_sharded_run_stopped_through_one_rank_saves_one_step_on_every_rank_and_resumes_bitwise(tmp_path, references, layout, nproc, fmt):
     reference = references(layout, nproc)
-    first = _run(tmp_path, layout, nproc, fmt, signal_rank=nproc - 1, signal_at_step=8)
+    first = _run(tmp_path, layout, nproc, fmt, signal_rank=nproc - 1, signal_at_step=SIGNAL_AT)
     assert first.codes == [ExitCode.PREEMPTED] * nproc, "every rank exits 75"
     manifest = validate(tmp_path / latest_name(tmp_path))
     stop_step = manifest["meta"]["global_step"]
-    assert 8 <= stop_step < STEPS and manifest["meta"]["reason"] == "preemption"
+    assert SIGNAL_AT <= stop_step < STEPS and manifest["meta"]["reason"] == "preemption"
     # one checkpoint of that one step holds every rank's part: optimizer shard, RNG, data position
     for r in range(nproc):
         assert {f"optim/__{r}_0.distcp", f"rng/rank_{r:05d}.safetensors", f"dataloader/rank_{r:05d}.json"} <= set(manifest["files"]), r
