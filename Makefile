@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck >/dev/null; } || true
 	touch $(STAMP)
 
+# The digits MLP (DDP), then the language model (FSDP2): each preempted through one rank, resumed, compared bitwise.
 demo: $(STAMP)
 	$(PY) examples/digits/demo.py
+	$(PY) examples/llm/demo.py
 
 # Lint first: a ruff violation (style, unused code, a missing docstring in resilience/) or an unformatted file fails the target.
 lint: $(STAMP)

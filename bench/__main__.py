@@ -3,7 +3,7 @@
     python -m bench                    # ~1 GiB fp32 model + Adam state (3 GiB), 5 rounds
     python -m bench --size 256M --repeat 3
     python -m bench --quick            # a tiny smoke run (the test suite's)
-    python -m bench --only save,load   # some sections: save, load, rss, async, agreement, exit, goodput
+    python -m bench --only save,load   # some sections: save, load, rss, async, agreement, exit, goodput, sharded
     python -m bench --load             # twice: quiet, then beside a CPU-bound neighbour (loaded.*)
     python -m bench --load-only        # only the pass beside the neighbour, merged into --out
 
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("save", "load", "rss", "async", "agreement", "exit", "goodput")
+SECTIONS = ("save", "load", "rss", "async", "agreement", "exit", "goodput", "sharded")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -191,6 +191,11 @@ def run_pass(args: argparse.Namespace, argv: list[str] | None, log: Callable[[st
                     run_dir, periods=args.goodput_periods, preemptions=args.goodput_preemptions, timeout_s=300 if quick else 900, log=log
                 ),
             )
+        if "sharded" in only:
+            from bench import sharded_save
+
+            # FSDP2 over 2 ranks, each holding and writing half of a state of the same size as above.
+            section("sharded", lambda: sharded_save.bench_sharded_save(run_dir, args.size, args.repeat, timeout_s=180 if quick else 1800, log=log))
     finally:
         remove(run_dir)
         try:

@@ -167,12 +167,15 @@ class Block(torch.nn.Module):
         return self.norm(x + self.down(torch.relu(self.up(x))))
 
 
-def build_state(model_bytes: int, *, tensors: int = 200, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build_state(
+    model_bytes: int, *, tensors: int = 200, seed: int = 0, wrap: Callable[[torch.nn.Module], None] | None = None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model of about ``model_bytes`` of fp32 parameters in about ``tensors`` tensors, and an
     Adam optimizer after one step (its ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter:
     the whole state is ~3x ``model_bytes``).
 
-    Parameters are filled with random values (every page written, nothing compressible)."""
+    Parameters are filled with random values (every page written, nothing compressible).
+    ``wrap(model)``, when given, runs before the optimizer is built (e.g. FSDP2 sharding it)."""
     blocks = max(1, tensors // 6)
     params = model_bytes // 4
     dim = max(8, int((params / (4 * blocks)) ** 0.5))
@@ -182,6 +185,8 @@ def build_state(model_bytes: int, *, tensors: int = 200, seed: int = 0) -> tuple
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)
+    if wrap is not None:
+        wrap(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)  # foreach: +1 state of temporaries
     for p in model.parameters():
         p.grad = p.detach() * 1e-3

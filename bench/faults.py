@@ -4,6 +4,8 @@ and that the resumed run is bitwise exact.
     python -m bench.faults                     # 200 trials (a few minutes)
     python bench/faults.py --trials 20 --seed 3
     python -m bench.faults --start exec        # fresh interpreters via resilience.launch (slower)
+    python -m bench.faults --model fsdp2 --modes sync --kill-at-phase parts
+                                               # a sharded (FSDP2) model, each kill inside a save's shard writing
 
 Each trial runs a small 2-rank (gloo, DDP) training under ``resilient_loop`` with a save every
 ``--every`` steps, alternating synchronous and asynchronous saves, and a short sleep at each
@@ -18,6 +20,11 @@ a surviving rank may finish on its own (it normally fails in its next collective
   per-step losses and learning rates and the final model weights bitwise equal to an
   uninterrupted reference run of the same mode (two reference runs per mode, made once, which
   must agree with each other first).
+
+``--model fsdp2`` trains the same model sharded with FSDP2 (``bench/fault_models.py``), so each
+rank writes only its own shards; ``--kill-at-phase PHASE`` replaces the random moment by the
+moment a rank reaches that phase of the second or a later save (``parts``: the ranks writing
+their files), so every kill lands inside a save with a previous ``LATEST`` to keep.
 
 Where each kill landed is read from events the ranks append (one unbuffered ``write`` each, with
 ``time.monotonic()``, the same clock in every process): before the first save, during a save
@@ -55,17 +62,23 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # `python bench/faults.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.fault_models import MODELS  # noqa: E402
+
 MODES = ("sync", "async")
 PUBLISH_PHASES = ("staging", "manifest", "rename", "pointer", "after_publish")
 STORE_ENV = "FAULTS_STORE_FILE"  # --start fork: the rendezvous file of this run's ranks
 LOG_ENV = "FAULTS_RANK_LOG"  # --start exec: the file a worker sends its stdout and stderr to
+SLOW_PHASE_ENV = "FAULTS_SLOW_PHASE"  # --kill-at-phase: that phase sleeps --phase-sleep too, so the kill lands in it
 STEPS_PER_EPOCH = 20  # per rank: 320 samples / 2 ranks / batch 8
 EPOCHS = 2
 
 
 # -- the training every rank runs ------------------------------------------------------------
-def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, every: int) -> int:
-    """One rank of the trial training (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment).
+def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, every: int, model_kind: str = "ddp", fmt: str = "safetensors") -> int:
+    """One rank of the trial training (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment):
+    ``model_kind`` ``ddp`` (replicated) or ``fsdp2`` (sharded), saved with ``model_save_format: fmt``.
 
     Appends ``<monotonic seconds> <rank> <event> [detail]`` lines to ``events_path``. Returns the
     loop's exit code.
@@ -76,6 +89,7 @@ def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, ever
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+    from bench.fault_models import build
     from resilience import load_config, resilient_loop
     from resilience.checkpoint import checkpointer, writer
 
@@ -111,7 +125,7 @@ def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, ever
 
     def hook(phase: str) -> None:
         event("phase", phase)
-        if phase in PUBLISH_PHASES and phase_sleep_s:
+        if (phase in PUBLISH_PHASES or phase == os.environ.get(SLOW_PHASE_ENV)) and phase_sleep_s:
             time.sleep(phase_sleep_s)
 
     checkpointer.Checkpointer.save = save
@@ -124,14 +138,14 @@ def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, ever
         [
             f"checkpoint.checkpoint_dir={ckpt_dir}",
             f"checkpoint.is_async={'true' if mode == 'async' else 'false'}",
+            f"checkpoint.model_save_format={fmt}",
             f"step_scheduler.num_epochs={EPOCHS}",
             f"step_scheduler.ckpt_every_steps={every}",
             "step_scheduler.preemption_signal=[USR1, TERM]",
         ],
     )
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
-    net = torch.nn.parallel.DistributedDataParallel(model)
+    model, net = build(model_kind)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
     g = torch.Generator().manual_seed(1234)
@@ -311,18 +325,14 @@ class Outcome:
 
 
 def outcome(root: Path) -> Outcome:
-    from safetensors.torch import load_file
-
+    """Rows of ``training.jsonl`` and the weights of ``LATEST`` (loaded into an unsharded model,
+    so replicated and sharded runs, in either model format, compare the same way)."""
+    from bench.fault_models import final_weights
     from resilience.checkpoint.layout import LATEST
     from resilience.checkpoint.storage.pointers import read_pointer
 
     rows = [json.loads(line) for line in (root / "training.jsonl").read_text().splitlines() if line.strip()]
-    latest = read_pointer(root, LATEST)
-    weights = {}
-    for shard in sorted((latest / "model").glob("shard-*.safetensors")):
-        for key, tensor in load_file(str(shard)).items():
-            weights[f"{shard.name}/{key}"] = tensor
-    return Outcome([(r["global_step"], r["loss"], r["lr"]) for r in rows], weights)
+    return Outcome([(r["global_step"], r["loss"], r["lr"]) for r in rows], final_weights(read_pointer(root, LATEST)))
 
 
 def same(a: Outcome, b: Outcome) -> str | None:
@@ -376,6 +386,22 @@ def classify(events_path: Path, killed_at: float) -> tuple[str, str | None]:
     return "between saves", None
 
 
+def reached(events_path: Path, phase: str, min_save: int) -> bool:
+    """Whether a rank has reached ``phase`` of its ``min_save``-th (1-based) or a later save."""
+    saves: collections.Counter = collections.Counter()
+    try:
+        lines = events_path.read_text().splitlines()
+    except FileNotFoundError:
+        return False
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3 and parts[2] == "save_begin":
+            saves[parts[1]] += 1
+        elif len(parts) >= 4 and parts[2] == "phase" and parts[3] == phase and saves[parts[1]] >= min_save:
+            return True
+    return False
+
+
 # -- the harness -------------------------------------------------------------------------------
 def _args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.splitlines()[0])
@@ -410,7 +436,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tear", action="store_true", help="self-test of the checker: after each kill, truncate a file of LATEST's checkpoint (must count as torn)"
     )
-    parser.add_argument("--worker", nargs=5, metavar=("CKPT", "MODE", "EVENTS", "SLEEP", "EVERY"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=MODELS, default="ddp", help="ddp (replicated, default) or fsdp2 (sharded: each rank saves its shards)")
+    parser.add_argument(
+        "--model-save-format", choices=("safetensors", "torch_save"), default="safetensors", help="checkpoint.model_save_format (default safetensors)"
+    )
+    parser.add_argument("--modes", default=",".join(MODES), help="save modes the trials alternate (default sync,async)")
+    parser.add_argument(
+        "--kill-at-phase",
+        default=None,
+        metavar="PHASE",
+        help="instead of a random moment, kill once a rank reaches PHASE (parts, or one of "
+        f"{', '.join(PUBLISH_PHASES)}) of the second or a later save, so a previous LATEST exists",
+    )
+    parser.add_argument("--worker", nargs=7, metavar=("CKPT", "MODE", "EVENTS", "SLEEP", "EVERY", "MODEL", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is None:
         if args.trials < 1:
@@ -426,6 +464,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         if not 0 <= low <= high <= 1:
             parser.error(f"--kill-window: expected 0 <= A <= B <= 1, got {args.kill_window!r}")
         args.kill_window = (low, high)
+        args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        if not args.modes or set(args.modes) - set(MODES):
+            parser.error(f"--modes: expected a comma-separated subset of {','.join(MODES)}, got {','.join(args.modes)!r}")
+        if args.kill_at_phase is not None and args.kill_at_phase not in ("parts", *PUBLISH_PHASES):
+            parser.error(f"--kill-at-phase: expected parts or one of {', '.join(PUBLISH_PHASES)}, got {args.kill_at_phase!r}")
     return args
 
 
@@ -452,12 +495,12 @@ def _tail(path: Path, lines: int = 15) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     if args.worker is not None:
-        ckpt, mode, events, sleep_s, every = args.worker
+        ckpt, mode, events, sleep_s, every, model_kind, fmt = args.worker
         if os.environ.get(LOG_ENV):
             out = os.open(os.environ[LOG_ENV], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(out, 1)
             os.dup2(out, 2)
-        return train(ckpt, mode, events, float(sleep_s), int(every))
+        return train(ckpt, mode, events, float(sleep_s), int(every), model_kind, fmt)
 
     # Everything train() imports, imported once before any fork, so no rank pays for it.
     import torch
@@ -482,13 +525,15 @@ def main(argv: list[str] | None = None) -> int:
     # scratch, so the range follows the machine's load as it changes.
     references: dict[str, Outcome] = {}
     durations: dict[str, collections.deque] = {}
-    for mode in MODES:
+    if args.kill_at_phase:  # the ranks (forked or exec'd) inherit it: they pause there as at a publishing step
+        os.environ[SLOW_PHASE_ENV] = args.kill_at_phase
+    for mode in args.modes:
         runs = []
         for attempt in (1, 2):
             base = work / f"reference-{mode}-{attempt}"
             shutil.rmtree(base, ignore_errors=True)
             base.mkdir()
-            run_args = (str(base / "ck"), mode, str(base / "events"), args.phase_sleep, args.every)
+            run_args = (str(base / "ck"), mode, str(base / "events"), args.phase_sleep, args.every, args.model, args.model_save_format)
             codes, took = _run_to_end(args.start, run_args, base / "log", timeout=300)
             if codes != [0, 0]:
                 print(f"the {mode} reference run failed with {codes}:\n{_tail(base / 'log')}", file=sys.stderr)
@@ -507,14 +552,14 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     started = time.monotonic()
     for trial in range(args.trials):
-        mode = MODES[trial % 2]
+        mode = args.modes[trial % len(args.modes)]
         target = rng.choice(((0,), (1,), (0, 1)))
         fraction = rng.uniform(*args.kill_window)
         base = work / f"trial-{trial:04d}"
         shutil.rmtree(base, ignore_errors=True)
         base.mkdir()
         ckpt, events, log = base / "ck", base / "events", base / "log"
-        run_args = (str(ckpt), mode, str(events), args.phase_sleep, args.every)
+        run_args = (str(ckpt), mode, str(events), args.phase_sleep, args.every, args.model, args.model_save_format)
         counts[f"mode {mode}"] += 1
         counts["target " + ("both" if len(target) == 2 else f"rank {target[0]}")] += 1
 
@@ -524,7 +569,11 @@ def main(argv: list[str] | None = None) -> int:
         ranks = _start(args.start, run_args, log)
         try:
             kill_at = began + fraction * duration
+            if args.kill_at_phase:  # wait for the phase instead (bounded by 3 whole runs)
+                kill_at = began + 3 * duration
             while time.monotonic() < kill_at and None in ranks.poll():
+                if args.kill_at_phase and reached(events, args.kill_at_phase, min_save=2):
+                    break
                 time.sleep(0.001)
             if None not in ranks.poll():
                 where, phase = "finished before the kill", None
@@ -560,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"trial {trial}: torn after a kill {where} ({phase}){self_test}: {'; '.join(problems)}")
 
         # 3. resume, compare
-        resume_args = (str(ckpt), mode, str(base / "resume.events"), args.phase_sleep, args.every)
+        resume_args = (str(ckpt), mode, str(base / "resume.events"), args.phase_sleep, args.every, args.model, args.model_save_format)
         resumed, took = _run_to_end(args.start, resume_args, base / "resume.log", timeout=300)
         if latest is None and resumed == [0, 0]:
             durations[mode].append(took)  # it started from scratch: a whole run
@@ -579,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         counts[f"resumed {verdict}"] += 1
         say(
             f"trial {trial + 1}/{args.trials} {mode} kill {'both' if len(target) == 2 else f'rank {target[0]}'} "
-            f"at {fraction:.2f}: {where}{f' ({phase})' if phase else ''}; LATEST {latest or '-'}"
+            f"at {args.kill_at_phase or f'{fraction:.2f}'}: {where}{f' ({phase})' if phase else ''}; LATEST {latest or '-'}"
             f"{' TORN' if problems else ''}; resume {verdict}"
         )
         if not problems and verdict == "exact" and not args.dir:
@@ -589,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trials: {args.trials}")
     print(f"start: {args.start}")
     print(f"seed: {args.seed}")
+    print(f"model: {args.model} ({args.model_save_format})")
     print(f"modes: sync {counts['mode sync']}, async {counts['mode async']}")
     print(f"killed: rank 0 {counts['target rank 0']}, rank 1 {counts['target rank 1']}, both {counts['target both']}")
     print(f"killed before first save: {counts['before first save']}")

@@ -28,6 +28,8 @@ KEYS = (
     "save_peak_extra_rss_fraction",
     "goodput_fraction",
     "preemption_cost_s",
+    "sharded_save_vs_disk",
+    "sharded_save_vs_dcp",
 )
 # The agreement's interval as top-level numbers too (the issue's "with _ci_high").
 CI_KEYS = ("agreement_overhead_fraction_ci_low", "agreement_overhead_fraction_ci_high")
@@ -48,6 +50,8 @@ TARGETS: dict[str, tuple[str, float, str] | None] = {
     "save_peak_extra_rss_fraction": ("<=", 0.10, "<= 10 % of the state"),
     "goodput_fraction": None,
     "preemption_cost_s": ("<=", 1.0, "<= one save + one load + 2 s"),  # compared as cost / budget
+    "sharded_save_vs_disk": (">=", 0.9, ">= 0.9 of the disk rate"),
+    "sharded_save_vs_dcp": None,
 }
 SECTION_OF = {
     "save_vs_disk": "save",
@@ -63,6 +67,8 @@ SECTION_OF = {
     "save_peak_extra_rss_fraction": "rss",
     "goodput_fraction": "goodput",
     "preemption_cost_s": "goodput",
+    "sharded_save_vs_disk": "sharded",
+    "sharded_save_vs_dcp": "sharded",
 }
 STOP_LATENCY_TARGET_S = 1.0
 
@@ -262,6 +268,23 @@ def _goodput(out: dict[str, Any], gp: dict[str, Any]) -> None:
     out["preemption_cost_s"] = entry
 
 
+def _sharded(out: dict[str, Any], sharded: dict[str, Any]) -> None:
+    t = sharded["times"]
+    raw = {
+        "ours_s": median(t["ours"]),
+        "disk_s": median(t["disk"]),
+        "dcp_s": median(t["dcp"]),
+        "world_size": sharded["world_size"],
+        "model_save_format": sharded["model_save_format"],
+        "state_bytes": sharded["state_bytes"],
+        "state_bytes_per_rank": sharded["state_bytes_per_rank"],
+        "bytes_written": sharded["bytes_written"],
+        "times_all": t,
+    }
+    for key, peer in (("sharded_save_vs_disk", "disk"), ("sharded_save_vs_dcp", "dcp")):
+        out[key] = _entry(key, _ratios(t[peer], t["ours"]), **raw)
+
+
 def figures(results: dict[str, Any]) -> dict[str, Any]:
     """Every key of :data:`KEYS` (and :data:`CI_KEYS`) from the sections' raw results (missing
     sections: ``value`` None with an ``error``: the section's error, or ``skipped``)."""
@@ -281,6 +304,8 @@ def figures(results: dict[str, Any]) -> dict[str, Any]:
         _rss(out, results["rss"])
     if have["goodput"] and results["goodput"].get("cases"):
         _goodput(out, results["goodput"])
+    if have["sharded"]:
+        _sharded(out, results["sharded"])
     for key in KEYS:
         if key not in out:
             got = results.get(SECTION_OF[key])

@@ -259,6 +259,31 @@ def _goodput_rows(fig: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _sharded_rows(fig: dict[str, Any]) -> list[Row]:
+    f, g = fig["sharded_save_vs_disk"], fig["sharded_save_vs_dcp"]
+    if f.get("value") is None:
+        return [_missing("sync save, FSDP2 sharded", f)]
+    state, n = f["state_bytes"], f["world_size"]
+    return [
+        (
+            f"sync save, FSDP2 {n} ranks ({f['model_save_format']}), {human_bytes(state)} state, each rank its 1/{n}",
+            f"{_s(f['ours_s'])} ({_rate(state, f['ours_s'])} aggregate)",
+            f"disk write+fsync, every rank its shards {_s(f['disk_s'])} ({_rate(state, f['disk_s'])})",
+            _x(f["value"], "{:.2f} of disk") + _ci(f),
+            f["target"],
+            _verdict(f["pass"]),
+        ),
+        (
+            f"sharded save vs DCP save ({n} ranks)",
+            _s(g["ours_s"]),
+            f"DCP save {_s(g['dcp_s'])} ({_rate(state, g['dcp_s'])})",
+            _x(g["value"], "{:.2f}x as fast") + _ci(g),
+            "peer",
+            "—",
+        ),
+    ]
+
+
 def table(fig: dict[str, Any], meta: dict[str, Any]) -> str:
     """The markdown table of the issue's figures (one row per figure, with its anchor)."""
     state = meta.get("state_bytes") or 0
@@ -270,6 +295,7 @@ def table(fig: dict[str, Any], meta: dict[str, Any]) -> str:
         *_exit_rows(fig),
         *_rss_rows(fig),
         *_goodput_rows(fig),
+        *_sharded_rows(fig),
     ]
     header = ("figure", "ours", "anchor (same run)", "ratio [95 % interval, coverage]", "target", "")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

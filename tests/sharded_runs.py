@@ -1,8 +1,11 @@
 """Launch ``helpers/sharded_train.py`` (a tiny model laid out plain, FSDP2, TP, or on a 2-D mesh)
-on real gloo ranks, and read back what it recorded and what its checkpoints hold."""
+on real gloo ranks, and read back what it recorded and what its checkpoints hold; and the
+examples'-runner form, ``helpers/mesh_train.py`` (:data:`MESH_SCRIPT`, started by ``runs.run``
+with a signal to one rank), whose final weights :func:`mesh_final_weights` reads back."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -12,11 +15,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from resilience.checkpoint.formats.model_io import load_model
 from resilience.checkpoint.layout import LATEST, MODEL_DIR, MODEL_SHARD_INDEX
 from resilience.checkpoint.storage.safetensors_file import read_safetensors_header
 from resilience.launch import launch
 
-HELPER = Path(__file__).resolve().parent / "helpers" / "sharded_train.py"
+HELPERS = Path(__file__).resolve().parent / "helpers"
+HELPER = HELPERS / "sharded_train.py"
+MESH_SCRIPT = HELPERS / "mesh_train.py"
 
 
 def run(ckpt: Path, out: Path, layout: str, nproc: int, *overrides: str, dims: str = "6,10,3", timeout: float = 300.0) -> list[int]:
@@ -88,3 +94,15 @@ def stored_copies(ckpt: Path, key: str) -> int:
         if info is not None:
             total += math.prod(info["shape"])
     return total / math.prod(index["tensors"][key]["shape"])
+
+
+def mesh_final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights of ``LATEST`` of a :data:`MESH_SCRIPT` run, loaded (resharded) into an
+    unsharded copy of its model in this process (whatever the world size and model format)."""
+    sys.path.insert(0, str(HELPERS))  # the script imports its neighbour ``ranks``
+    spec = importlib.util.spec_from_file_location("mesh_train", MESH_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.Net()
+    load_model(Path(ckpt_dir) / LATEST, model)
+    return model.state_dict()

@@ -1,6 +1,7 @@
-"""Run the digits example preempted, resumed and uninterrupted, and compare the runs bitwise.
+"""Run an example preempted, resumed and uninterrupted, and compare the runs bitwise.
 
-Shared by ``demo.py`` (``make demo``) and the test suite. Every figure it reports is computed by
+Shared by ``demo.py`` (``make demo``), ``examples/llm/demo.py`` (which passes its own script,
+config and weights reader) and the test suite. Every figure it reports is computed by
 comparing files the runs wrote: ``training.jsonl`` (per-step loss and learning rate of rank 0)
 and the final checkpoint's model weights.
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,10 +54,13 @@ def run(
     signal_at_step: int | None = None,
     sig: int = signal.SIGUSR1,
     timeout: float = 180.0,
+    script: Path = TRAIN,
+    config: Path = CONFIG,
 ) -> RunResult:
-    """Run the example with ``nproc`` ranks; optionally send ``sig`` to one rank only, once rank 0
-    has logged ``signal_at_step`` steps. Returns each rank's exit code."""
-    cmd = [sys.executable, str(TRAIN), "--config", str(CONFIG), f"checkpoint.checkpoint_dir={ckpt_dir}", *overrides]
+    """Run the example (``script --config config``; the digits one unless given) with ``nproc`` ranks;
+    optionally send ``sig`` to one rank only, once rank 0 has logged ``signal_at_step`` steps.
+    Returns each rank's exit code."""
+    cmd = [sys.executable, str(script), "--config", str(config), f"checkpoint.checkpoint_dir={ckpt_dir}", *overrides]
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     if nproc == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -63,7 +69,7 @@ def run(
     with launch(cmd, nproc, env=env, failure_grace_s=20.0) as group:
         while group.poll() is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"digits run in {ckpt_dir} did not finish in {timeout} s")
+                raise TimeoutError(f"{script.parent.name} run in {ckpt_dir} did not finish in {timeout} s")
             if signal_rank is not None and sent_at is None:
                 rows = _rows(ckpt_dir)
                 if rows and rows[-1]["global_step"] >= signal_at_step:
@@ -71,6 +77,55 @@ def run(
                     sent_at = rows[-1]["global_step"]
             time.sleep(0.005)
         codes = [proc.returncode for proc in group.procs]
+    return RunResult(codes=codes, signalled_at_step=sent_at)
+
+
+def run_cli(
+    ckpt_dir: Path,
+    nproc: int,
+    *,
+    overrides: list[str] = (),
+    signal_rank: int | None = None,
+    signal_at_step: int | None = None,
+    sig: int = signal.SIGUSR1,
+    timeout: float = 180.0,
+    script: Path = TRAIN,
+    config: Path = CONFIG,
+) -> RunResult:
+    """:func:`run` through the command itself: ``resilience run --nproc-per-node nproc script
+    --config config ...``. A signal for one rank goes to that rank's pid (from the launcher's
+    ``--pid-file``); each rank's exit code is read from the launcher's last line (``ranks exited
+    with [...]``). The launcher's and ranks' stderr is passed on once the run ended."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+    pid_file, err_file = ckpt_dir.parent / f".{ckpt_dir.name}.pids", ckpt_dir.parent / f".{ckpt_dir.name}.stderr"
+    pid_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "resilience", "run", "--nproc-per-node", str(nproc), "--pid-file", str(pid_file)]
+    cmd += [str(script), "--config", str(config), f"checkpoint.checkpoint_dir={ckpt_dir}", *overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    deadline = time.monotonic() + timeout
+    sent_at = None
+    with open(err_file, "w") as err, subprocess.Popen(cmd, env=env, stderr=err) as launcher:
+        try:
+            while launcher.poll() is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{script.parent.name} run in {ckpt_dir} did not finish in {timeout} s")
+                if signal_rank is not None and sent_at is None:
+                    rows = _rows(ckpt_dir)
+                    if rows and rows[-1]["global_step"] >= signal_at_step:
+                        pids = dict(line.split()[1:] for line in pid_file.read_text().splitlines() if line.startswith("rank "))
+                        os.kill(int(pids[str(signal_rank)]), sig)
+                        sent_at = rows[-1]["global_step"]
+                time.sleep(0.005)
+        finally:
+            if launcher.poll() is None:
+                launcher.terminate()  # the launcher stops its ranks
+    text = err_file.read_text()
+    sys.stderr.write(text)
+    err_file.unlink()
+    pid_file.unlink(missing_ok=True)
+    found = re.findall(r"ranks exited with \[([^\]]*)\]", text)
+    codes = [int(c) for c in found[-1].split(",")] if found else [launcher.returncode]
     return RunResult(codes=codes, signalled_at_step=sent_at)
 
 
@@ -95,8 +150,9 @@ def final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt_dir / LATEST / model_file()))
 
 
-def compare(run_dir: Path, reference_dir: Path) -> Comparison:
-    """Compare a (preempted and resumed) run with an uninterrupted reference run, bitwise."""
+def compare(run_dir: Path, reference_dir: Path, weights=final_weights) -> Comparison:
+    """Compare a (preempted and resumed) run with an uninterrupted reference run, bitwise;
+    ``weights(ckpt_dir)`` reads the final weights of a run (``{name: tensor}``)."""
     rows, ref = _rows(run_dir), _rows(reference_dir)
     steps_a = [r["global_step"] for r in rows]
     steps_b = [r["global_step"] for r in ref]
@@ -108,7 +164,7 @@ def compare(run_dir: Path, reference_dir: Path) -> Comparison:
     if not losses_equal and steps_a == steps_b:
         first = next(a["global_step"] for a, b in zip(rows, ref) if a["loss"] != b["loss"])
         detail.append(f"losses first differ at step {first}")
-    wa, wb = final_weights(run_dir), final_weights(reference_dir)
+    wa, wb = weights(run_dir), weights(reference_dir)
     weights_equal = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     if not weights_equal:
         detail.append("final weights differ")

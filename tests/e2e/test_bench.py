@@ -125,6 +125,8 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
         "peak extra RSS",
         "goodput, digits preempted every 3 s",
         "cost per preemption",
+        "sync save, FSDP2 2 ranks (safetensors)",
+        "sharded save vs DCP save",
     )
     for label in labels:
         assert any(row.startswith(f"| {label}") for row in table), f"no table row for {label!r}:\n" + "\n".join(table)
@@ -163,6 +165,14 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
     assert 0 < doc["goodput_fraction"]["value"] < 1
     assert doc["preemption_cost_s"]["steps_redone"] == [0] * len(doc["preemption_cost_s"]["rounds"]) and doc["preemption_cost_s"]["rounds"]
     assert doc["preemption_cost_s"]["budget_s"] > 2.0 and doc["preemption_cost_s"]["restart_to_first_step_s"] > 0
+    # the sharded save: 2 ranks in the default format, each holding about half of a state of the same size, all three methods timed
+    sharded = doc["sharded_save_vs_disk"]
+    assert sharded["world_size"] == 2 and len(sharded["state_bytes_per_rank"]) == 2 and sharded["model_save_format"] == "safetensors"
+    assert abs(sharded["state_bytes_per_rank"][0] - sharded["state_bytes_per_rank"][1]) < 0.1 * sharded["state_bytes"]
+    assert sharded["state_bytes"] > 3 * (4 << 20) * 0.9
+    assert sharded["ours_s"] > 0 and sharded["disk_s"] > 0 and doc["sharded_save_vs_dcp"]["dcp_s"] > 0
+    assert sharded["bytes_written"]["ours"] >= sharded["state_bytes"]
+    assert len(sharded["rounds"]) == 1 and sharded["ci_confidence"] is None  # one round: no interval yet
     # the scratch files are gone
     assert not any(work.iterdir()) if work.exists() else True
 

@@ -65,3 +65,24 @@ def test_bad_arguments_name_the_option():
     assert proc.returncode == 2 and "--trials: must be >= 1" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "bench.faults", "--kill-window", "0.5"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--kill-window" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_save"])
+def test_sigkill_of_a_rank_while_fsdp2_ranks_write_their_shards_leaves_the_previous_latest_valid(tmp_path, fmt):
+    # FSDP2 over 2 ranks: each rank writes only its own shards; the kill lands in the second save's
+    # "parts" phase (the ranks writing their files), so a previous LATEST exists and must survive.
+    argv = ["--model", "fsdp2", "--model-save-format", fmt, "--modes", "sync", "--kill-at-phase", "parts", "--every", "10"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.faults", "--trials", "2", "--seed", "3", "--dir", str(tmp_path), *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    counts = _counts(proc.stdout)
+    assert counts["model"] == f"fsdp2 ({fmt})"
+    assert counts["killed during a save"] == "2 (parts 2)", counts
+    assert counts["LATEST after the kill"] == "none 0, valid 2, torn 0"
+    assert counts["torn checkpoints"] == "0" and counts["resumed exact"] == "2" and counts["result"] == "PASS"

@@ -161,6 +161,10 @@ def save_problem(model: torch.nn.Module, *, rank: int, world_size: int, gather: 
     (``Partial``), or shards whose offsets do not tile their tensor."""
     if hf_export.is_peft_model(model):
         return None
+    # A model with no DTensor has nothing to check; no state-dict pass (which, for a model without
+    # parameters and no process group, torch refuses).
+    if not pieces.is_sharded({**dict(model.named_parameters()), **dict(model.named_buffers())}):
+        return None
     state = get_model_state_dict(model)
     if not pieces.is_sharded(state):
         return None

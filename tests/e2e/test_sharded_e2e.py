@@ -1,0 +1,61 @@
+"""End to end with sharded models (DTensor parameters): FSDP2 on 2 and 4 ranks, tensor parallel on 2,
+and a 2x2 data-parallel x tensor-parallel mesh on 4 ranks. Real ranks (gloo, CPU), a real signal to
+ONE rank, the rerun compared bitwise with an uninterrupted run (per-step losses and learning rates,
+and the final weights loaded back from the checkpoint into an unsharded model)."""
+
+import pytest
+
+from resilience import ExitCode
+from resilience.checkpoint.storage.manifest import validate
+from runs import compare, latest_name, run
+from sharded_runs import MESH_SCRIPT, mesh_final_weights
+
+pytestmark = pytest.mark.multiproc
+STEPS = 20  # StepLR(step_size=7): the LR changes twice; the signal at step 6 lands mid-run
+SIGNAL_AT = 6
+# Every mesh in the default format (each rank its own safetensors shards); the model as DCP files
+# (`torch_save`) once, on the smallest mesh, to keep the suite's time in check.
+CASES = [("fsdp2", 2, "safetensors"), ("fsdp2", 4, "safetensors"), ("tp", 2, "safetensors"), ("dp_tp", 4, "safetensors"), ("fsdp2", 2, "torch_save")]
+
+
+def _run(ckpt_dir, layout, nproc, fmt, **kwargs):
+    overrides = [f"layout={layout}", f"steps={STEPS}", f"checkpoint.model_save_format={fmt}"]
+    return run(ckpt_dir, nproc, script=MESH_SCRIPT, config=MESH_SCRIPT, overrides=overrides, timeout=150.0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One uninterrupted run per mesh (default format), made on first use and shared by both
+    formats (the final weights are compared after loading, whatever the format)."""
+    made = {}
+
+    def reference(layout, nproc):
+        if (layout, nproc) not in made:
+            path = tmp_path_factory.mktemp(f"reference-{layout}-{nproc}")
+            assert _run(path, layout, nproc, "safetensors").codes == [ExitCode.DONE] * nproc
+            made[layout, nproc] = path
+        return made[layout, nproc]
+
+    return reference
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("layout,nproc,fmt", CASES, ids=[f"{layout}-{nproc}ranks-{fmt}" for layout, nproc, fmt in CASES])
+def test_sharded_run_stopped_through_one_rank_saves_one_step_on_every_rank_and_resumes_bitwise(tmp_path, references, layout, nproc, fmt):
+    reference = references(layout, nproc)
+    first = _run(tmp_path, layout, nproc, fmt, signal_rank=nproc - 1, signal_at_step=SIGNAL_AT)
+    assert first.codes == [ExitCode.PREEMPTED] * nproc, "every rank exits 75"
+    manifest = validate(tmp_path / latest_name(tmp_path))
+    stop_step = manifest["meta"]["global_step"]
+    assert SIGNAL_AT <= stop_step < STEPS and manifest["meta"]["reason"] == "preemption"
+    # one checkpoint of that one step holds every rank's part: optimizer shard, RNG, data position
+    for r in range(nproc):
+        assert {f"optim/__{r}_0.distcp", f"rng/rank_{r:05d}.safetensors", f"dataloader/rank_{r:05d}.json"} <= set(manifest["files"]), r
+        if fmt == "safetensors":  # and its own model shards (NeMo's names), written by that rank
+            assert any(name.startswith(f"model/shard-{r + 1:05d}-model-") for name in manifest["files"]), (r, sorted(manifest["files"]))
+
+    second = _run(tmp_path, layout, nproc, fmt)
+    assert second.codes == [ExitCode.DONE] * nproc
+    result = compare(tmp_path, reference, weights=mesh_final_weights)
+    assert result.identical, result.detail
+    assert result.steps == STEPS
