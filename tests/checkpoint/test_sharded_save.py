@@ -143,30 +143,26 @@ def test_an_async_fsdp2_save_snapshots_the_local_shards_and_resumes_bitwise(tmp_
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-def test_tensor_parallel_on_two_ranks_stores_replicated_tensors_once_and_resumes_bitwise(tmp_path):
-    ckpt, first, second = _interrupted_and_resumed(tmp_path, "tp", 2)
+def test_tensor_parallel_on_two_ranks_stores_replicated_tensors_once(tmp_path):
+    """The layout only: the bitwise resume of TP (and of the 2x2 mesh below) after a stop signal
+    is tests/e2e/test_sharded_e2e.py's, which runs the same meshes."""
+    ckpt, _, _ = _interrupted_and_resumed(tmp_path, "tp", 2)
     _about_one_nth(ckpt, 2)
     for key in ("norm.weight", "head.weight", "down.bias"):  # plain tensors, and a Replicate DTensor (RowwiseParallel's bias)
         assert stored_copies(ckpt, key) == 1, f"{key} must be stored once"
         assert len(shard_index(ckpt)["tensors"][key]["pieces"]) == 1
     assert [p["offsets"] for p in shard_index(ckpt)["tensors"]["down.weight"]["pieces"]] == [[0, 0], [0, 5]]  # row-wise: columns
-    assert run(ckpt, second, "tp", 2, ALL) == [0, 0]
-    assert run(tmp_path / "whole", tmp_path / "whole_rec", "tp", 2, ALL) == [0, 0]
-    _assert_bitwise_continuation(first, second, tmp_path / "whole_rec", 2)
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
-def test_a_2x2_data_parallel_by_tensor_parallel_mesh_writes_a_quarter_per_rank_and_resumes_bitwise(tmp_path):
-    ckpt, first, second = _interrupted_and_resumed(tmp_path, "fsdp_tp", 4)
+def test_a_2x2_data_parallel_by_tensor_parallel_mesh_writes_a_quarter_per_rank(tmp_path):
+    ckpt, _, _ = _interrupted_and_resumed(tmp_path, "fsdp_tp", 4)
     _about_one_nth(ckpt, 4, tolerance=0.35)  # uneven on purpose: 10 rows -> tp 5 -> dp 3, 2
     for key in ("norm.weight", "down.bias"):  # FSDP-sharded over dp, copies along tp: each block stored once
         assert stored_copies(ckpt, key) == 1
     pieces = shard_index(ckpt)["tensors"]["up.weight"]["pieces"]
     assert [(p["offsets"][0], p["shape"][0]) for p in pieces] == [(0, 3), (3, 2), (5, 3), (8, 2)]  # strided FSDP x TP rows
-    assert run(ckpt, second, "fsdp_tp", 4, ALL) == [0] * 4
-    assert run(tmp_path / "whole", tmp_path / "whole_rec", "fsdp_tp", 4, ALL) == [0] * 4
-    _assert_bitwise_continuation(first, second, tmp_path / "whole_rec", 4)
 
 
 @pytest.mark.multiproc
