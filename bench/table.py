@@ -184,6 +184,41 @@ def _agreement_rows(fig: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _watchdog_rows(fig: dict[str, Any]) -> list[Row]:
+    f, d = fig["watchdog_overhead_fraction"], fig["watchdog_detection_vs_limit"]
+    rows: list[Row] = []
+    ab = f.get("ab") or {}
+    if ab.get("n"):
+        rows.append(
+            (
+                f"watchdog: progress reports, {ab['n']} interleaved A/B pairs of {ab['steps_per_block']} steps",
+                f"{_s(ab['step_s']['progress'])} ({_s(ab['boundary_call_s'])} inside the call)",
+                f"no reports {_s(ab['step_s']['none'])}",
+                _x(f["value"], "{:+.2%}") + _ci(f, "{:+.2%}"),
+                f["target"],
+                _verdict(f["pass"]),
+            )
+        )
+    else:
+        rows.append(_missing("watchdog: progress reports", f))
+    if d.get("value") is None:
+        return [*rows, _missing("watchdog detection", d)]
+    for kind, what in (("hang", "a rank hung in a step"), ("kill", "a rank SIGKILLed"), ("stop", "a rank SIGSTOPped")):
+        limit = d["limits_s"][kind]
+        iv = d["detect_interval"][kind]
+        rows.append(
+            (
+                f"watchdog detection, {what}",
+                f"{_s(d['detect_s'][kind])} after the fault; ranks ended after {_s(d['recover_s'][kind])}",
+                f"--progress-timeout {d['progress_timeout_s']:g} s",
+                _x(d["detect_s"][kind] / limit, "{:.2f} of limit") + _ci(iv | {"ci_confidence": iv.get("confidence")}, "{:.2f} s"),
+                f"<= {limit:g} s",
+                _verdict(d["pass_by_kind"][kind]),
+            )
+        )
+    return rows
+
+
 def _exit_rows(fig: dict[str, Any]) -> list[Row]:
     f = fig["signal_to_exit_vs_budget"]
     if f.get("value") is None:
@@ -267,6 +302,7 @@ def table(fig: dict[str, Any], meta: dict[str, Any]) -> str:
         *_load_rows(fig, state),
         *_async_rows(fig),
         *_agreement_rows(fig),
+        *_watchdog_rows(fig),
         *_exit_rows(fig),
         *_rss_rows(fig),
         *_goodput_rows(fig),
