@@ -736,6 +736,7 @@ def test_multinode_a_rank_killed_on_the_second_node_ends_both_nodes_at_once_requ
     assert first.count("exit code 75 (requeue") == 2, log
     # both launchers ended within seconds of the kill (the ranks' collective timeout is 600 s here)
     ended = float(re.search(r"^resilience: srun of resilience run on 2 nodes .* exited with 75 at ([\d.]+)", first, re.M).group(1))
+    print(f"\nn2's rank SIGKILLed after step {job.killed_at_step}; srun of both launchers ended {ended - job.killed_at:.1f} s later")
     assert ended - job.killed_at < 20, ended - job.killed_at
     assert f"requeueing {job.id} (restart 1 " in first
     assert job.info["Restarts"] == "1"
