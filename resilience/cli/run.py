@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="PATH",
         help="with several nodes: a file every node's launcher shares (on a shared filesystem) so that a failure on one "
         "node ends every node's ranks at once and in-job restarts start them together (required for --max-restarts "
-        "with --nnodes > 1)",
+        "with --nnodes > 1; a new path for each run: an old file's records would end the ranks at once)",
     )
     parser.add_argument(
         "--pid-file",
@@ -171,7 +171,7 @@ def _run_starts(
                 )
             _stderr_log(f"ranks exited with {outcome.codes}; exit code {outcome.code}")
             return outcome.code
-        if restarts < args.max_restarts:
+        if restarts < args.max_restarts and not outcome.stop_requested:
             why_not = _restart_barrier(nodes, args)
             if why_not is None:
                 restarts += 1

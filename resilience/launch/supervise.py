@@ -37,13 +37,15 @@ class Outcome:
     is being stopped and nothing is restarted). ``infrastructure``: the fault was a stall or a
     rank's death by a signal nobody asked for (not an exception in the program), in ranks that run
     :func:`~resilience.resilient_loop` (they reported progress): worth another allocation (exit 75)
-    even without in-job restarts.
+    even without in-job restarts. ``stop_requested``: the launcher received a signal during this
+    start (the job is being stopped): a fault then is not restarted in-job.
     """
 
     code: int
     codes: list[int]
     fault: str | None = None
     infrastructure: bool = False
+    stop_requested: bool = False
 
 
 def supervise(group: RankGroup, recorded: RecordedSignals, timeout: ProgressTimeout, log: Log, nodes: NodeFaults | None = None) -> Outcome:
@@ -65,7 +67,8 @@ def supervise(group: RankGroup, recorded: RecordedSignals, timeout: ProgressTime
             if peer is not None:  # its ranks are gone: ours would wait in a collective for them
                 log(f"{peer.describe()}; ending every local rank")
                 code = group.terminate()
-                return Outcome(code, [proc.returncode for proc in group.procs], peer.describe(), infrastructure=peer.infrastructure)
+                codes = [proc.returncode for proc in group.procs]
+                return Outcome(code, codes, peer.describe(), infrastructure=peer.infrastructure, stop_requested=received)
         if code is None and not received:
             stall = watchdog.check()
             if stall is not None:
