@@ -188,7 +188,7 @@ def run_pass(args: argparse.Namespace, argv: list[str] | None, log: Callable[[st
             section(
                 "watchdog",
                 lambda: watchdog.bench_watchdog(
-                    run_dir, timeout_s=1.5 if quick else 5.0, trials=1 if quick else max(args.repeat, 3), run_timeout_s=300, log=log
+                    run_dir, timeout_s=1.5 if quick else 5.0, trials=1 if quick else max(args.repeat, 3), run_timeout_s=300, log=log, nproc=1 if quick else 2
                 ),
             )
         if "goodput" in only:

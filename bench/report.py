@@ -219,6 +219,7 @@ def _watchdog_detection(out: dict[str, Any], wd: dict[str, Any]) -> None:
         "watchdog_detection_vs_limit",
         rounds,
         progress_timeout_s=wd["timeout_s"],
+        ranks=wd.get("nproc"),
         limits_s=limits,
         detect_s={kind: iv["median"] for kind, iv in per_kind.items()},
         detect_interval={kind: iv for kind, iv in per_kind.items()},

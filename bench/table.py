@@ -208,7 +208,7 @@ def _watchdog_rows(fig: dict[str, Any]) -> list[Row]:
         iv = d["detect_interval"][kind]
         rows.append(
             (
-                f"watchdog detection, {what}",
+                f"watchdog detection, {what} ({d['ranks']} ranks)",
                 f"{_s(d['detect_s'][kind])} after the fault; ranks ended after {_s(d['recover_s'][kind])}",
                 f"--progress-timeout {d['progress_timeout_s']:g} s",
                 _x(d["detect_s"][kind] / limit, "{:.2f} of limit") + _ci(iv | {"ci_confidence": iv.get("confidence")}, "{:.2f} s"),

@@ -1,7 +1,8 @@
 """Detection latency of ``resilience run``'s watchdog, per fault kind, against its configured limit.
 
-``resilience run -n 2 --max-restarts 2 --progress-timeout T`` runs :mod:`bench.watchdog_worker`,
-whose rank 1 hangs inside a step, then SIGKILLs itself, then SIGSTOPs itself (each once, the ranks
+``resilience run -n N --max-restarts 2 --progress-timeout T`` runs :mod:`bench.watchdog_worker`
+(N = 2; ``--quick``: 1, half the start-up cost, which is most of this section's time), whose last
+rank hangs inside a step, then SIGKILLs itself, then SIGSTOPs itself (each once, the ranks
 restarting from ``LATEST`` in between; after the third fault no restart is left and the launcher
 exits 75, which saves a fourth start of the ranks). The fault's time is what the rank wrote just
 before it; the detection's is when the launcher's line saying so reached this process (``made no
@@ -37,9 +38,9 @@ FAULTS = "hang@8,kill@17,stop@26"
 KILL_LIMIT_S = 1.0
 SLACK_S = 1.0
 _DETECTED = {
-    "hang": re.compile(r"watchdog: rank 1 \(pid \d+\) made no progress for ([\d.]+) s"),
-    "kill": re.compile(r"rank 1 exited with signal SIGKILL"),
-    "stop": re.compile(r"watchdog: rank 1 \(pid \d+\) made no progress for ([\d.]+) s.*is stopped"),
+    "hang": r"watchdog: rank {rank} \(pid \d+\) made no progress for ([\d.]+) s",
+    "kill": r"rank {rank} exited with signal SIGKILL",
+    "stop": r"watchdog: rank {rank} \(pid \d+\) made no progress for ([\d.]+) s.*is stopped",
 }
 _ENDED = re.compile(r"restarting every local rank from LATEST \(in-job restart \d+ of|no in-job restart left")
 
@@ -49,16 +50,17 @@ def limit_s(kind: str, timeout_s: float) -> float:
     return KILL_LIMIT_S if kind == "kill" else timeout_s + SLACK_S
 
 
-def one_run(work: Path, timeout_s: float, run_timeout_s: float) -> dict[str, Any]:
+def one_run(work: Path, timeout_s: float, run_timeout_s: float, nproc: int = 2) -> dict[str, Any]:
     """One launcher run with the three faults; per kind the fault-to-detection and fault-to-recovery
     seconds (and, for a stall, the silence the launcher reported)."""
     root = work / "watchdog"
     remove(root)
     faults = root / "faults"
     faults.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "resilience", "run", "-n", "2", "--max-restarts", "2", "--progress-timeout", f"{timeout_s:g}", "--kill-grace", "1"]
+    cmd = [sys.executable, "-m", "resilience", "run", "-n", str(nproc), "--max-restarts", "2", "--progress-timeout", f"{timeout_s:g}", "--kill-grace", "1"]
     cmd += ["-m", "bench.watchdog_worker", str(root / "ck"), str(faults)]
-    env = {**os.environ, **rank_env(), "BENCH_FAULTS": FAULTS, "SLURM_JOB_ID": ""}
+    env = {**os.environ, **rank_env(), "BENCH_FAULTS": FAULTS, "BENCH_FAULT_RANK": str(nproc - 1), "SLURM_JOB_ID": ""}
+    detected_re = {kind: re.compile(pattern.format(rank=nproc - 1)) for kind, pattern in _DETECTED.items()}
     lines: list[tuple[float, str]] = []
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -83,7 +85,7 @@ def one_run(work: Path, timeout_s: float, run_timeout_s: float) -> dict[str, Any
     detected: dict[str, Any] = {}
     for index, kind in enumerate(KINDS):
         fault_at = float((faults / kind).read_text())
-        found = next(((t, _DETECTED[kind].search(line)) for t, line in lines if t >= fault_at and _DETECTED[kind].search(line)), None)
+        found = next(((t, detected_re[kind].search(line)) for t, line in lines if t >= fault_at and detected_re[kind].search(line)), None)
         if found is None or index >= len(restarts):
             raise RuntimeError(f"the {kind} fault was not detected and its ranks ended:\n{text[-3000:]}")
         (seen_at, match), restart_at = found, restarts[index]
@@ -96,14 +98,15 @@ def one_run(work: Path, timeout_s: float, run_timeout_s: float) -> dict[str, Any
     return detected
 
 
-def bench_watchdog(work: Path, *, timeout_s: float, trials: int, run_timeout_s: float, log: Callable[[str], None]) -> dict[str, Any]:
-    """``trials`` runs of :func:`one_run`: every trial's figures per kind, and the progress timeout."""
+def bench_watchdog(work: Path, *, timeout_s: float, trials: int, run_timeout_s: float, log: Callable[[str], None], nproc: int = 2) -> dict[str, Any]:
+    """``trials`` runs of :func:`one_run` with ``nproc`` ranks: every trial's figures per kind,
+    the progress timeout and the limits."""
     runs = []
     for trial in range(trials):
-        got = one_run(work, timeout_s, run_timeout_s)
+        got = one_run(work, timeout_s, run_timeout_s, nproc)
         runs.append(got)
         log(
-            f"watchdog trial {trial + 1}/{trials} (--progress-timeout {timeout_s:g} s): "
+            f"watchdog trial {trial + 1}/{trials} ({nproc} ranks, --progress-timeout {timeout_s:g} s): "
             + ", ".join(f"{kind} detected {row['detect_s']:.2f} s, ranks ended {row['recover_s']:.2f} s after the fault" for kind, row in got.items())
         )
-    return {"timeout_s": timeout_s, "limits_s": {kind: limit_s(kind, timeout_s) for kind in KINDS}, "trials": runs}
+    return {"timeout_s": timeout_s, "nproc": nproc, "limits_s": {kind: limit_s(kind, timeout_s) for kind in KINDS}, "trials": runs}
