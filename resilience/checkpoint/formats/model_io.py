@@ -161,6 +161,8 @@ def save_problem(model: torch.nn.Module, *, rank: int, world_size: int, gather: 
     (``Partial``), or shards whose offsets do not tile their tensor."""
     if hf_export.is_peft_model(model):
         return None
+    if next(iter(model.state_dict()), None) is None:
+        return None  # nothing to save (a placeholder module); get_model_state_dict refuses an empty model
     state = get_model_state_dict(model)
     if not pieces.is_sharded(state):
         return None
