@@ -6,13 +6,16 @@ partition preemption) makes both ranks save the same step, the job requeues itse
 finishes with weights bitwise equal to an uninterrupted run; array tasks requeue as
 ``<array job id>_<task id>``; the restart limit ends the job with 77; no worker outlives its job;
 on two nodes the signal is forwarded on the batch node only and the agreement stops the other.
+A rank SIGKILLed mid-run (issue 16): with ``slurm.in_job_restarts`` the ranks restart in the job
+(one node; and on two nodes both nodes' ranks together); without, both nodes' launchers end at
+once and the job requeues; each completes exactly.
 
 Jobs are slow to start on this 2-core machine and Slurm's time-limit check runs every 30 s, so
 the scenarios run concurrently: a module fixture starts every scenario the selected tests need
 (in threads, one job each), and each test waits for its own and asserts. The one-node scenarios
-use the ``slurm_cluster`` fixture (8 CPUs advertised: four 2-CPU jobs fit); the two-node ones and
-the preemption scenario use ``slurm_cluster_2nodes`` (see ``scenario_preempt`` for why the
-preemption there hits our job only). The two clusters share this machine's ports and number their
+use the ``slurm_cluster`` fixture (8 CPUs advertised: four 2-CPU jobs fit); the two-node ones,
+the preemption scenario and the one-node killed-rank job (on n2) use ``slurm_cluster_2nodes`` (see
+``scenario_preempt`` for why the preemption there hits our job only). The two clusters share this machine's ports and number their
 jobs alike, while the rendezvous port derives from the job id: the two-node cluster's job ids are
 first moved 100 past the one-node cluster's (``sbatch --test-only`` uses up an id).
 
@@ -269,7 +272,8 @@ EVERY_10 = "step_scheduler.ckpt_every_steps=10"
 
 
 def _killed_mid_run(job: Job, rank: int) -> Job:
-    job.wait_log(r"^resilience: trap installed", 60)
+    # These jobs start last and may wait for CPUs that the other scenarios hold.
+    job.wait_log(r"^resilience: trap installed", 200)
     job.killed_at_step = job.wait_steps(KILL_AFTER_STEPS, 120)
     job.killed_pid = _kill_rank(job, rank)
     job.killed_at = time.time()
@@ -278,9 +282,12 @@ def _killed_mid_run(job: Job, rank: int) -> Job:
 
 
 def scenario_kill_in_job(c: Campaign) -> Job:
-    """slurm.in_job_restarts=2 on one node: rank 1 SIGKILLed mid-run; the launcher restarts both
-    ranks in the job (no requeue) and they finish from LATEST."""
-    return _killed_mid_run(c.submit1("kill_in_job", f"step_scheduler.num_epochs={E_SHORT}", EVERY_10, "slurm.in_job_restarts=2"), 1)
+    """slurm.in_job_restarts=2, a one-node job: rank 1 SIGKILLed mid-run; the launcher restarts both
+    ranks in the job (no requeue) and they finish from LATEST. On the two-node cluster's n2, in
+    partition high: the one-node cluster's CPUs are taken by the timing-sensitive scenarios and
+    their requeued attempts, and n2 runs nothing that preempts or is preempted."""
+    overrides = ("slurm.partition=high", "slurm.sbatch_extra=[--nodelist=n2]", "slurm.in_job_restarts=2")
+    return _killed_mid_run(c.submit2("kill_in_job", f"step_scheduler.num_epochs={E_SHORT}", EVERY_10, *overrides), 1)
 
 
 def scenario_timelimit(c: Campaign) -> Job:
@@ -420,6 +427,7 @@ def scenario_mn_kill_in_job(c: Campaign) -> Job:
     """Two nodes, slurm.in_job_restarts=1: the rank on n2 SIGKILLed mid-run; both nodes' launchers
     restart their ranks together (the shared fault file), no requeue."""
     overrides = ("slurm.nodes=2", "slurm.nproc_per_node=1", "slurm.partition=high", "slurm.in_job_restarts=1")
+    c.after("preempt")
     return _killed_mid_run(c.submit2("mn_kill_in_job", f"step_scheduler.num_epochs={E_SHORT}", EVERY_10, *overrides), 1)
 
 
@@ -427,6 +435,7 @@ def scenario_mn_kill_requeue(c: Campaign) -> Job:
     """Two nodes, no in-job restarts: the rank on n2 SIGKILLed mid-run; both launchers exit 75 at
     once and the batch script requeues the whole job."""
     overrides = ("slurm.nodes=2", "slurm.nproc_per_node=1", "slurm.partition=high")
+    c.after("preempt")
     return _killed_mid_run(c.submit2("mn_kill_requeue", f"step_scheduler.num_epochs={E_SHORT}", EVERY_10, *overrides), 1)
 
 
@@ -434,7 +443,8 @@ def scenario_preempt(c: Campaign) -> Job:
     """Ours in partition debug on node n1, holding 6 of its 8 CPUs; then a job in partition high
     (higher PriorityTier) asking for 4 CPUs there. The two-node jobs running meanwhile hold at
     most 2 CPUs of n1 and, being in partition high themselves, cannot be preempted: the new
-    job can only start by preempting ours, and preempting ours is always enough."""
+    job can only start by preempting ours, and preempting ours is always enough. (The killed-rank
+    two-node scenarios would be two more jobs in partition high there: they start after this one.)"""
     job = c.submit2(
         "preempt",
         f"step_scheduler.num_epochs={E_SHORT}",
@@ -466,8 +476,8 @@ SCENARIOS: dict[str, Callable[[Campaign], object]] = {  # started in this order
     "mn_kill_in_job": scenario_mn_kill_in_job,
     "mn_kill_requeue": scenario_mn_kill_requeue,
 }
-ONE_NODE = {"check_probe", "timelimit", "scancel", "array", "limit", "kill_in_job"}
-TWO_NODES = {"mn_scancel", "mn_prelaunch", "preempt", "mn_kill_in_job", "mn_kill_requeue"}
+ONE_NODE = {"check_probe", "timelimit", "scancel", "array", "limit"}
+TWO_NODES = {"mn_scancel", "mn_prelaunch", "preempt", "kill_in_job", "mn_kill_in_job", "mn_kill_requeue"}
 
 
 class Campaign:
@@ -489,6 +499,12 @@ class Campaign:
 
     def result(self, name: str, timeout: float = 280):
         return self.futures[name].result(timeout=timeout)
+
+    def after(self, name: str) -> None:
+        """Wait until scenario ``name`` has ended, when it runs in this campaign (its errors are its
+        own test's to report)."""
+        if name in self.futures:
+            concurrent.futures.wait([self.futures[name]], timeout=280)
 
     def track(self, cluster: SlurmCluster, job_id: str) -> None:
         with self._lock:
