@@ -123,6 +123,11 @@ class NodeFaults:
             return []
         return [record for record in map(parse, lines) if record is not None]
 
+    @property
+    def recorded(self) -> bool:
+        """This node recorded a fault of the current start."""
+        return self._recorded
+
     def record_fault(self, text: str, infrastructure: bool) -> bool:
         """Tell the other nodes that this node's current start failed (once per start; later calls
         do nothing). Returns True when this call wrote the record."""

@@ -100,7 +100,7 @@ def _killed(code: int, watchdog: Watchdog) -> bool:
 def _share_first_failure(group: RankGroup, watchdog: Watchdog, nodes: NodeFaults, log: Log) -> None:
     """Record a rank's failure for the other nodes as soon as it is seen (the local ranks left may
     still run out their failure grace): their ranks would wait in a collective for this one."""
-    if group.first_failure is not None:
+    if group.first_failure is not None and not nodes.recorded:
         local, code = group.first_failure
         if code not in ORDERLY_CODES:
             _share(nodes, f"rank {group.ranks[local]} exited with {describe_code(code)}", _killed(code, watchdog), log)
