@@ -3,7 +3,7 @@
     python -m bench                    # ~1 GiB fp32 model + Adam state (3 GiB), 5 rounds
     python -m bench --size 256M --repeat 3
     python -m bench --quick            # a tiny smoke run (the test suite's)
-    python -m bench --only save,load   # some sections: save, load, rss, async, agreement, exit, goodput, sharded
+    python -m bench --only save,load   # some sections: save, load, rss, async, agreement, exit, watchdog, goodput, sharded
     python -m bench --load             # twice: quiet, then beside a CPU-bound neighbour (loaded.*)
     python -m bench --load-only        # only the pass beside the neighbour, merged into --out
 
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("save", "load", "rss", "async", "agreement", "exit", "goodput", "sharded")
+SECTIONS = ("save", "load", "rss", "async", "agreement", "exit", "watchdog", "goodput", "sharded")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -182,6 +182,15 @@ def run_pass(args: argparse.Namespace, argv: list[str] | None, log: Callable[[st
                 teardown_cases=("plain",) if quick else ("plain", "gc_freeze", "os_exit"),
             ),
         )
+        if "watchdog" in only:
+            from bench import watchdog
+
+            section(
+                "watchdog",
+                lambda: watchdog.bench_watchdog(
+                    run_dir, timeout_s=1.5 if quick else 5.0, trials=1 if quick else max(args.repeat, 3), run_timeout_s=300, log=log, nproc=1 if quick else 2
+                ),
+            )
         if "goodput" in only:
             from bench import goodput
 

@@ -85,10 +85,7 @@ def bench_agreement(
         str(ab_max_s),
     ]
     with launch(cmd, 2, env=rank_env(), failure_grace_s=5.0) as group:
-        try:
-            code = group.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the DDP bench ranks did not finish within {timeout_s:g} s") from None
+        code, stalls = _wait_watched(group, timeout_s)
     if code != 0 or not out.exists():
         raise RuntimeError(f"the DDP bench ranks exited with {code} ({[p.returncode for p in group.procs]})")
     raw = json.loads(out.read_text())
@@ -113,6 +110,14 @@ def bench_agreement(
         step_s={"none": median([row["none"] for row in pairs]), "ours_auto": median([row["ours_auto"] for row in pairs])},
         boundary_call_s=median([row["ours_auto_boundary_s"] for row in pairs]),
     )
+    progress_pairs = raw.get("progress_ab_pairs", [])
+    watchdog = paired_overhead([row["progress"] for row in progress_pairs], [row["none"] for row in progress_pairs])
+    watchdog.update(
+        steps_per_block=raw.get("ab_steps_per_block"),
+        step_s={"none": median([row["none"] for row in progress_pairs]), "progress": median([row["progress"] for row in progress_pairs])},
+        boundary_call_s=median([row["progress_boundary_s"] for row in progress_pairs]),
+        stalls_seen=stalls,
+    )
     latency = {
         k: {
             "seconds": median([t["seconds"] for t in trials]),
@@ -123,7 +128,35 @@ def bench_agreement(
         }
         for k, trials in raw["stop_latency"].items()
     }
-    return {"variants": summary, "ab": ab, "stop_latency": latency, "save_s": median(raw["save_s"]), "save_s_all": raw["save_s"], "raw": raw}
+    return {
+        "variants": summary,
+        "ab": ab,
+        "watchdog_ab": watchdog,
+        "stop_latency": latency,
+        "save_s": median(raw["save_s"]),
+        "save_s_all": raw["save_s"],
+        "raw": raw,
+    }
+
+
+def _wait_watched(group, timeout_s: float) -> tuple[int, int]:
+    """``group.wait(timeout_s)`` while ``resilience run``'s watchdog reads the ranks' progress
+    records as the launcher does (its reads land beside both blocks of every A/B pair alike);
+    returns (the group's exit code, stalls the watchdog reported, which should be 0).
+
+    Raises RuntimeError when the ranks have not finished within ``timeout_s`` seconds."""
+    from resilience.launch.rank_group import POLL_INTERVAL_S
+    from resilience.launch.watchdog import ProgressTimeout, Watchdog
+
+    watchdog = Watchdog(group, ProgressTimeout())
+    deadline = time.monotonic() + timeout_s
+    stalls = 0
+    while (code := group.poll()) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the DDP bench ranks did not finish within {timeout_s:g} s")
+        stalls += watchdog.check() is not None
+        time.sleep(POLL_INTERVAL_S)
+    return code, stalls
 
 
 def _pointer(root: Path) -> str | None:

@@ -14,7 +14,8 @@ Blocks of steps alternate between the variants round after round (rotating the o
 slow drifts of the shared machine hit every variant alike. Then the default cadence (``auto``)
 is measured against ``none`` in many short interleaved A/B pairs (ABBA order; one agreement
 alive across its blocks, as in a real run), the data of the overhead's confidence interval.
-Then it measures the stop latency
+Then the same for the watchdog's progress reports (``ProgressReporter.step`` at every boundary
+against nothing). Then it measures the stop latency
 (rank 0 ``os.kill``s rank 1 with SIGUSR1 at a random moment; steps and seconds until both
 ranks have the agreed stop) and the time of one ``Checkpointer.save`` of this run's state.
 
@@ -98,79 +99,6 @@ class DigitsRun:
         self.optimizer.step()
         self.lr_scheduler.step()
         return loss.item()
-
-
-def ab_phase(
-    run: DigitsRun, rank: int, counter: list[int], pairs: int, steps: int, warmup: int, make_agreement, *, max_s: float = 0.0, half_width: float = 0.004
-) -> list[dict[str, float]]:
-    """At least ``pairs`` pairs of timed blocks of ``steps`` steps, without (``none``) and with the
-    default agreement (``ours_auto``), in ABBA order so a linear drift cancels within two pairs.
-
-    With ``max_s`` > 0 it goes on, 10 pairs at a time, until the normal-approximation 95 %
-    half-width of the per-pair overhead is at most ``half_width`` or ``max_s`` seconds have
-    passed (rank 0 decides and broadcasts, between blocks).
-
-    One agreement (and its step clock) lives across all ``ours_auto`` blocks, as in a real run:
-    its cadence is settled before the first timed block and is not reset between blocks. The
-    step clock restarts at each such block (``record_save``, as after a save) so the ``none``
-    block in between does not count as one long step. Returns one row per pair:
-    ``{"none", "ours_auto"}`` mean step times (s) and ``ours_auto_boundary_s`` (mean time in the call).
-    """
-    from resilience.timing import RunTimer, auto_cadence
-
-    agreement, _ = make_agreement("auto")
-    timer = RunTimer()
-
-    def propose() -> int:
-        timer.boundary()
-        return auto_cadence(timer.step_s, AUTO_INTERVAL_S) if rank == 0 else 0
-
-    def block(variant: str, n: int) -> tuple[float, float]:
-        if variant == "ours_auto":
-            timer.record_save(0.0)
-        in_call = 0.0
-        start = time.perf_counter()
-        for _ in range(n):
-            run.step()
-            counter[0] += 1
-            if variant == "ours_auto":
-                mid = time.perf_counter()
-                agreement.update(counter[0], 0, propose_every_steps=propose())
-                in_call += time.perf_counter() - mid
-        return (time.perf_counter() - start) / max(1, n), in_call / max(1, n)
-
-    rows: list[dict[str, float]] = []
-    try:
-        dist.barrier()
-        block("ours_auto", 4 * warmup)  # settles the cadence; untimed
-        block("none", warmup)
-        started = time.monotonic()
-        while True:
-            row: dict[str, float] = {}
-            for variant in ("none", "ours_auto") if len(rows) % 2 == 0 else ("ours_auto", "none"):
-                dist.barrier()
-                row[variant], inside = block(variant, steps)
-                if variant == "ours_auto":
-                    row["ours_auto_boundary_s"] = inside
-            rows.append(row)
-            if len(rows) >= pairs and (len(rows) - pairs) % 10 == 0 and _ab_done(rows, rank, max_s, half_width, time.monotonic() - started):
-                break
-    finally:
-        agreement.close()
-    if rank == 0 and rows:
-        mean = sum(r["ours_auto"] for r in rows) / sum(r["none"] for r in rows) - 1
-        print(f"ddp A/B: {len(rows)} pairs of {steps} steps, auto vs none {mean:+.2%} (every {agreement.every_steps} steps at the end)", flush=True)
-    return rows
-
-
-def _ab_done(rows: list[dict[str, float]], rank: int, max_s: float, half_width: float, elapsed_s: float) -> bool:
-    """Rank 0's verdict, broadcast to every rank: enough A/B pairs (see :func:`ab_phase`)."""
-    done = torch.ones(1, dtype=torch.int64)
-    if rank == 0 and max_s > 0 and elapsed_s < max_s and len(rows) >= 2:
-        fractions = [r["ours_auto"] / r["none"] - 1 for r in rows]
-        done[0] = int(1.96 * statistics.stdev(fractions) / len(fractions) ** 0.5 <= half_width)
-    dist.broadcast(done, src=0)
-    return bool(done.item())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"ddp round {r + 1}/{args.rounds}: " + ", ".join(f"{v} {per_block[v][-1]['mean_s'] * 1e3:.2f} ms" for v in variants), flush=True)
 
+    from bench.ab_pairs import ab_phase, progress_ab_phase
+
     ab_pairs = ab_phase(run, rank, counter, args.ab_pairs, args.ab_steps, args.warmup, make_agreement, max_s=args.ab_max_seconds)
+    progress_pairs = progress_ab_phase(run, rank, counter, args.ab_pairs, args.ab_steps, args.warmup, max_s=args.ab_max_seconds)
 
     # -- stop latency: os.kill of rank `world - 1` by rank 0, at a random moment ---------------
     pids = [None] * world
@@ -334,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             "big_k": big_k,
             "blocks": per_block,
             "ab_pairs": ab_pairs,
+            "progress_ab_pairs": progress_pairs,
             "ab_steps_per_block": args.ab_steps,
             "stop_latency": latency,
             "save_s": save_s,

@@ -4,7 +4,8 @@ Ratios are paired: each round's figure is divided by its anchor *of the same rou
 median of those per-round ratios is reported with its 95 % interval (:mod:`bench.stats`; the
 ``rounds`` beside it). Save and load ratios are speed ratios (anchor time / our time: higher is
 better); the async, agreement, exit and memory ratios are cost ratios (lower is better). The
-agreement overhead is the one figure from interleaved A/B pairs (value = sum over pairs).
+agreement overhead and the watchdog's (progress reports on vs off) are the figures from
+interleaved A/B pairs (value = sum over pairs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ KEYS = (
     "async_block_vs_memcpy",
     "async_block_vs_dcp_async",
     "agreement_overhead_fraction",
+    "watchdog_overhead_fraction",
+    "watchdog_detection_vs_limit",
     "signal_to_exit_vs_budget",
     "save_peak_extra_rss_fraction",
     "goodput_fraction",
@@ -46,6 +49,8 @@ TARGETS: dict[str, tuple[str, float, str] | None] = {
     "async_block_vs_memcpy": ("<=", 1.2, "<= 1.2x one memcpy"),
     "async_block_vs_dcp_async": None,
     "agreement_overhead_fraction": ("<=", 0.01, "95 % CI upper end <= 1 % of a step"),
+    "watchdog_overhead_fraction": ("<=", 0.01, "95 % CI upper end <= 1 % of a step (within noise)"),
+    "watchdog_detection_vs_limit": ("<=", 1.0, "hang, stop: <= timeout + 1 s; kill: <= 1 s"),
     "signal_to_exit_vs_budget": ("<=", 1.0, "<= step + save + 1 s"),
     "save_peak_extra_rss_fraction": ("<=", 0.10, "<= 10 % of the state"),
     "goodput_fraction": None,
@@ -63,6 +68,8 @@ SECTION_OF = {
     "async_block_vs_memcpy": "async",
     "async_block_vs_dcp_async": "async",
     "agreement_overhead_fraction": "agreement",
+    "watchdog_overhead_fraction": "agreement",
+    "watchdog_detection_vs_limit": "watchdog",
     "signal_to_exit_vs_budget": "exit",
     "save_peak_extra_rss_fraction": "rss",
     "goodput_fraction": "goodput",
@@ -196,6 +203,38 @@ def _agreement(out: dict[str, Any], ddp: dict[str, Any]) -> None:
     out["agreement_overhead_fraction"] = entry
 
 
+def _watchdog_overhead(out: dict[str, Any], ddp: dict[str, Any]) -> None:
+    """The progress reports' A/B overhead (ratio of sums over the pairs, bootstrap interval),
+    judged on the interval's upper end like the agreement's."""
+    ab = ddp.get("watchdog_ab") or {}
+    entry = _entry("watchdog_overhead_fraction", ab.get("pair_fractions", []), ab=ab, stalls_seen=ab.get("stalls_seen"))
+    entry.update(value=ab.get("value"), ci_low=ab.get("ci_low"), ci_high=ab.get("ci_high"), ci_confidence=ab.get("confidence"))
+    upper = entry["ci_high"] if entry["ci_high"] is not None else entry["value"]
+    entry["pass"] = meets("watchdog_overhead_fraction", upper)
+    entry["pass_whole_interval"] = entry["pass"] if entry["ci_high"] is not None else None
+    out["watchdog_overhead_fraction"] = entry
+
+
+def _watchdog_detection(out: dict[str, Any], wd: dict[str, Any]) -> None:
+    """Per trial the worst of the three kinds' detection latency / its limit (<= 1 meets it)."""
+    limits, trials = wd["limits_s"], wd["trials"]
+    kinds = list(limits)
+    rounds = [max(trial[kind]["detect_s"] / limits[kind] for kind in kinds) for trial in trials]
+    per_kind = {kind: median_interval([trial[kind]["detect_s"] for trial in trials]) for kind in kinds}
+    out["watchdog_detection_vs_limit"] = _entry(
+        "watchdog_detection_vs_limit",
+        rounds,
+        progress_timeout_s=wd["timeout_s"],
+        ranks=wd.get("nproc"),
+        limits_s=limits,
+        detect_s={kind: iv["median"] for kind, iv in per_kind.items()},
+        detect_interval={kind: iv for kind, iv in per_kind.items()},
+        recover_s={kind: median([trial[kind]["recover_s"] for trial in trials]) for kind in kinds},
+        silence_s={kind: median([trial[kind]["silence_s"] for trial in trials]) for kind in kinds},
+        pass_by_kind={kind: per_kind[kind]["median"] <= limits[kind] for kind in kinds},
+    )
+
+
 def _exit(out: dict[str, Any], ext: dict[str, Any], ddp: dict[str, Any]) -> None:
     step_s, save_s = ddp["variants"]["none"]["step_s"], ddp["save_s"]
     budget = step_s + save_s + 1.0
@@ -298,6 +337,10 @@ def figures(results: dict[str, Any]) -> dict[str, Any]:
         _async(out, results["async"])
     if have["agreement"]:
         _agreement(out, results["agreement"])
+        if results["agreement"].get("watchdog_ab", {}).get("n"):
+            _watchdog_overhead(out, results["agreement"])
+    if have["watchdog"]:
+        _watchdog_detection(out, results["watchdog"])
         if have["exit"]:
             _exit(out, results["exit"], results["agreement"])
     if have["rss"]:

@@ -137,6 +137,19 @@ def _async_rows(fig: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _ab_row(label: str, f: dict[str, Any], treated: str, base: str) -> Row:
+    """The row of an overhead from interleaved A/B pairs (``f["ab"]``): ``treated`` blocks vs ``none``."""
+    ab = f["ab"]
+    return (
+        f"{label}, {ab['n']} interleaved A/B pairs of {ab['steps_per_block']} steps",
+        f"{_s(ab['step_s'][treated])} ({_s(ab['boundary_call_s'])} inside the call)",
+        f"{base} {_s(ab['step_s']['none'])}",
+        _x(f["value"], "{:+.2%}") + _ci(f, "{:+.2%}"),
+        f["target"],
+        _verdict(f["pass"]),
+    )
+
+
 def _agreement_rows(fig: dict[str, Any]) -> list[Row]:
     f = fig["agreement_overhead_fraction"]
     if not f.get("step_s"):
@@ -145,16 +158,7 @@ def _agreement_rows(fig: dict[str, Any]) -> list[Row]:
     lat, steps, ab = f["stop_latency_s"], f["stop_latency_steps"], f.get("ab") or {}
     rows: list[Row] = []
     if ab.get("n"):
-        rows.append(
-            (
-                f"stop agreement, ours k=auto (default), {ab['n']} interleaved A/B pairs of {ab['steps_per_block']} steps",
-                f"{_s(ab['step_s']['ours_auto'])} ({_s(ab['boundary_call_s'])} inside the call)",
-                f"no agreement {_s(ab['step_s']['none'])}",
-                _x(f["value"], "{:+.2%}") + _ci(f, "{:+.2%}"),
-                f["target"],
-                _verdict(f["pass"]),
-            )
-        )
+        rows.append(_ab_row("stop agreement, ours k=auto (default)", f, "ours_auto", "no agreement"))
     for name, label in (
         ("ours_k1", "stop agreement, ours k=1"),
         (f"ours_k{k}", f"stop agreement, ours k={k}"),
@@ -181,6 +185,31 @@ def _agreement_rows(fig: dict[str, Any]) -> list[Row]:
         if key in lat:
             ok = lat[key] <= STOP_LATENCY_TARGET_S
             rows.append((label, f"{_s(lat[key])}, {steps[key]:g} steps", "os.kill of one rank", "", f"<= {STOP_LATENCY_TARGET_S:g} s", _verdict(ok)))
+    return rows
+
+
+def _watchdog_rows(fig: dict[str, Any]) -> list[Row]:
+    f, d = fig["watchdog_overhead_fraction"], fig["watchdog_detection_vs_limit"]
+    rows: list[Row] = []
+    if (f.get("ab") or {}).get("n"):
+        rows.append(_ab_row("watchdog: progress reports", f, "progress", "no reports"))
+    else:
+        rows.append(_missing("watchdog: progress reports", f))
+    if d.get("value") is None:
+        return [*rows, _missing("watchdog detection", d)]
+    for kind, what in (("hang", "a rank hung in a step"), ("kill", "a rank SIGKILLed"), ("stop", "a rank SIGSTOPped")):
+        limit = d["limits_s"][kind]
+        iv = d["detect_interval"][kind]
+        rows.append(
+            (
+                f"watchdog detection, {what} ({d['ranks']} ranks)",
+                f"{_s(d['detect_s'][kind])} after the fault; ranks ended after {_s(d['recover_s'][kind])}",
+                f"--progress-timeout {d['progress_timeout_s']:g} s",
+                _x(d["detect_s"][kind] / limit, "{:.2f} of limit") + _ci(iv | {"ci_confidence": iv.get("confidence")}, "{:.2f} s"),
+                f"<= {limit:g} s",
+                _verdict(d["pass_by_kind"][kind]),
+            )
+        )
     return rows
 
 
@@ -292,6 +321,7 @@ def table(fig: dict[str, Any], meta: dict[str, Any]) -> str:
         *_load_rows(fig, state),
         *_async_rows(fig),
         *_agreement_rows(fig),
+        *_watchdog_rows(fig),
         *_exit_rows(fig),
         *_rss_rows(fig),
         *_goodput_rows(fig),

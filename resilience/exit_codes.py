@@ -28,6 +28,9 @@ an error exit, ``--max-restarts`` >= 1             ``PREEMPTED`` (75)
 an error exit, ``--max-restarts 0``                the ranks' combined code (``FAILED``, 1)
 a kill without the loop, ``--max-restarts 0``      the ranks' combined code
 the restarted ranks exit ``NO_PROGRESS``           ``NO_PROGRESS`` (76): the restarts saved nothing
+another node's failure (``--fault-file``)           75 for its stall or kill, else as above
+a local error exit right after another node's kill  ``PREEMPTED`` (75): the kill was the cause
+another node will not restart (barrier)             ``PREEMPTED`` (75)
 =================================================  ============================================
 
 75 is ``EX_TEMPFAIL`` from BSD ``sysexits.h`` ("temporary failure; the user is invited to

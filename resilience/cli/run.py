@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from resilience.env_names import PID_FILE_ENV
 from resilience.exit_codes import ExitCode
 from resilience.launch.forwarding import FORWARDED_SIGNALS, RecordedSignals
+from resilience.launch.node_faults import NodeFaults
 from resilience.launch.start import launch
 from resilience.launch.supervise import Outcome, supervise
 from resilience.launch.watchdog import DEFAULT_STARTUP_TIMEOUT_S, ProgressTimeout
@@ -75,6 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "default 0); then exit 75 (requeue)",
     )
     parser.add_argument(
+        "--fault-file",
+        default=None,
+        metavar="PATH",
+        help="with several nodes: a file every node's launcher shares (on a shared filesystem) so that a failure on one "
+        "node ends every node's ranks at once and in-job restarts start them together (required for --max-restarts "
+        "with --nnodes > 1; a new path for each run: an old file's records would end the ranks at once)",
+    )
+    parser.add_argument(
         "--pid-file",
         default=None,
         metavar="PATH",
@@ -113,6 +123,12 @@ def run(args: argparse.Namespace) -> int:
       with 76. Once restarts are exhausted: 75 (requeue), except that without restarts
       (``--max-restarts 0``) a rank's own error exit keeps the combined code (1, no requeue).
 
+    With several nodes and ``--fault-file`` (:mod:`~resilience.launch.node_faults`): a failure on
+    any node ends every node's ranks at once and counts as this node's failure too (its kind, a
+    stall or kill or an error exit, is the failed node's); each restart waits until every node's
+    launcher is ready (75 when one will not restart or does not come); a local error exit that
+    follows a kill on another node counts as that kill (75 once restarts are exhausted).
+
     Returns ``ExitCode.CONFIG_ERROR`` (2) for bad arguments or a program that cannot be started.
     Handlers are restored before returning.
     """
@@ -122,37 +138,78 @@ def run(args: argparse.Namespace) -> int:
         timeout = ProgressTimeout.parse(args.progress_timeout, args.startup_timeout)
         if args.max_restarts < 0:
             raise ValueError(f"--max-restarts: expected an int >= 0, got {args.max_restarts}")
-        if args.max_restarts and args.nnodes > 1:
+        if args.max_restarts and args.nnodes > 1 and not args.fault_file:
             raise ValueError(
-                "--max-restarts: in-job restarts work on one node only (--nnodes 1); with several nodes keep 0: a failure "
-                "then exits 75 on every node and the batch script requeues the whole job"
+                "--max-restarts: with --nnodes > 1 the launchers restart together through a shared file: pass "
+                "--fault-file PATH (the same path, on a filesystem every node sees, to every node's launcher)"
             )
     except ValueError as error:
         _stderr_log(f"error: {error}")
         return int(ExitCode.CONFIG_ERROR)
-    restarts = 0
+    nodes = NodeFaults(args.fault_file, args.node_rank, args.nnodes) if args.fault_file and args.nnodes > 1 else None
     with RecordedSignals(FORWARDED_SIGNALS) as recorded:
-        while True:
-            outcome = _start_once(args, cmd, recorded, timeout, pid_file, restarts)
-            if isinstance(outcome, int):
-                return outcome
-            if outcome.fault is None:
-                if outcome.code == ExitCode.NO_PROGRESS and restarts:
-                    _stderr_log(
-                        f"the ranks exited {int(ExitCode.NO_PROGRESS)} (NO_PROGRESS) after {restarts} in-job restart(s): "
-                        "the starts before saved no new checkpoint (checkpoint.max_restarts_without_progress); not restarted, not requeued"
-                    )
-                _stderr_log(f"ranks exited with {outcome.codes}; exit code {outcome.code}")
-                return outcome.code
-            if restarts < args.max_restarts:
+        code = _run_starts(args, cmd, recorded, timeout, pid_file, nodes)
+    if nodes is not None:
+        nodes.record_end()  # another node waiting to restart gives up now, not at its timeout
+    return code
+
+
+def _run_starts(
+    args: argparse.Namespace, cmd: list[str], recorded: RecordedSignals, timeout: ProgressTimeout, pid_file: str | None, nodes: NodeFaults | None
+) -> int:
+    """Start the ranks, again after each failure while restarts are left (see :func:`run`)."""
+    restarts = 0
+    while True:
+        outcome = _start_once(args, cmd, recorded, timeout, pid_file, restarts, nodes)
+        if isinstance(outcome, int):
+            return outcome
+        if outcome.fault is None:
+            if outcome.code == ExitCode.NO_PROGRESS and restarts:
+                _stderr_log(
+                    f"the ranks exited {int(ExitCode.NO_PROGRESS)} (NO_PROGRESS) after {restarts} in-job restart(s): "
+                    "the starts before saved no new checkpoint (checkpoint.max_restarts_without_progress); not restarted, not requeued"
+                )
+            _stderr_log(f"ranks exited with {outcome.codes}; exit code {outcome.code}")
+            return outcome.code
+        if restarts < args.max_restarts and not outcome.stop_requested:
+            why_not = _restart_barrier(nodes, args)
+            if why_not is None:
                 restarts += 1
                 _stderr_log(f"{outcome.fault}; restarting every local rank from LATEST (in-job restart {restarts} of {args.max_restarts})")
                 continue
-            return _exhausted(outcome, restarts, args.max_restarts)
+            _stderr_log(f"{outcome.fault}; not restarted: {why_not}; exit code {int(ExitCode.PREEMPTED)} (requeue)")
+            return int(ExitCode.PREEMPTED)
+        if nodes is not None and not outcome.infrastructure:
+            # a rank killed on another node makes ours fail in their next collective: that kill is the cause
+            cause = nodes.peer_infrastructure()
+            if cause is not None:
+                outcome = dataclasses.replace(outcome, fault=f"{outcome.fault} after {cause.describe()}", infrastructure=True)
+        return _exhausted(outcome, restarts, args.max_restarts)
+
+
+def _restart_barrier(nodes: NodeFaults | None, args: argparse.Namespace) -> str | None:
+    """With several nodes: wait until every node's launcher is ready to restart (see
+    :meth:`NodeFaults.wait_for_restart`); ``None`` when they are (or on one node), else why not."""
+    if nodes is None:
+        return None
+    _stderr_log(f"waiting for the other nodes' launchers to end their ranks too (in {nodes.path})")
+    try:
+        why_not = nodes.wait_for_restart(args.failure_grace + 3 * args.kill_grace + 60)
+    except OSError as error:
+        return f"cannot write {nodes.path}: {error}"
+    if why_not is None:
+        nodes.begin(nodes.start + 1)
+    return why_not
 
 
 def _start_once(
-    args: argparse.Namespace, cmd: list[str], recorded: RecordedSignals, timeout: ProgressTimeout, pid_file: str | None, restarts: int
+    args: argparse.Namespace,
+    cmd: list[str],
+    recorded: RecordedSignals,
+    timeout: ProgressTimeout,
+    pid_file: str | None,
+    restarts: int,
+    nodes: NodeFaults | None,
 ) -> Outcome | int:
     """One start of the ranks, watched to its end; an ``int`` exit code when they cannot start."""
     try:
@@ -179,7 +236,7 @@ def _start_once(
             except OSError as error:
                 _stderr_log(f"error: cannot write the pid file {pid_file!r}: {error}")
                 return int(ExitCode.CONFIG_ERROR)  # leaving `with group` stops the ranks
-        return supervise(group, recorded, timeout, _stderr_log)
+        return supervise(group, recorded, timeout, _stderr_log, nodes)
 
 
 def _exhausted(outcome: Outcome, restarts: int, max_restarts: int) -> int:

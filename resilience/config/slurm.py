@@ -42,7 +42,8 @@ class SlurmConfig:
     """Requeues allowed before the script gives up with ``ExitCode.RESTART_LIMIT`` (77)."""
     in_job_restarts: int = 0
     """``resilience run --max-restarts``: in-job restarts from ``LATEST`` after a stall, a crash or a kill,
-    before the launcher exits 75 and the script requeues (one node, ``launcher: resilience`` only)."""
+    before the launcher exits 75 and the script requeues (``launcher: resilience`` only; on several nodes
+    every node's launcher restarts its ranks together, through the shared ``--fault-file``)."""
     progress_timeout: str | float = "auto"
     """``resilience run --progress-timeout``: ``auto`` or seconds a rank may go without finishing a step."""
     launcher: str = "resilience"
@@ -91,8 +92,3 @@ class SlurmConfig:
             raise ConfigError(f"slurm.progress_timeout: expected 'auto' or a number of seconds > 0, got {timeout!r}")
         if self.launcher != "resilience" and (self.in_job_restarts or timeout != "auto"):
             raise ConfigError(f"slurm.in_job_restarts and slurm.progress_timeout need slurm.launcher: resilience (the watchdog is ours), got {self.launcher!r}")
-        if self.in_job_restarts and self.nodes > 1:
-            raise ConfigError(
-                "slurm.in_job_restarts: in-job restarts work on one node only; with slurm.nodes > 1 keep 0 (a failure then "
-                "exits 75 on every node and the script requeues the whole job)"
-            )

@@ -14,7 +14,9 @@ environment), :mod:`~resilience.launch.rank_group` (:class:`RankGroup`: waiting,
 grace, reaping), :mod:`~resilience.launch.exit_status` (:func:`combine_exit_codes`),
 :mod:`~resilience.launch.ports` (``MASTER_PORT``), :mod:`~resilience.launch.ready_dirs` (the
 handshake's temp directories, and removing those of killed launchers),
-:mod:`~resilience.launch.forwarding` (the signals the launcher records and passes on); the
+:mod:`~resilience.launch.forwarding` (the signals the launcher records and passes on),
+:mod:`~resilience.launch.watchdog` and :mod:`~resilience.launch.supervise` (the progress watchdog),
+:mod:`~resilience.launch.node_faults` (the fault file several nodes' launchers share); the
 ``resilience run`` command itself is :mod:`resilience.cli.run`. None of them imports torch, so ``resilience run`` has its handlers
 in place before a Slurm warning can arrive.
 """

@@ -209,6 +209,16 @@ def test_no_checkpoint_means_fresh_start(root):
     assert checkpointer(root).find_resume_point() is None
 
 
+def test_a_checkpointer_over_a_module_without_state_only_finds_resume_points(root):
+    """A placeholder model (nothing to save, as the bench's resume-point finder uses) is not refused
+    at construction: DCP's get_model_state_dict raises for an empty model, outside a process group."""
+    save_steps(root, 2)
+    finder = Checkpointer(
+        CheckpointConfig(checkpoint_dir=str(root)), DistContext(), state=TrainingState(model=torch.nn.Identity()), scheduler=StepScheduler(num_epochs=1)
+    )
+    assert finder.find_resume_point().name == "epoch_0_step_2"
+
+
 def test_resume_false_ignores_latest(root):
     save_steps(root, 2)
     assert checkpointer(root, resume=False).find_resume_point() is None

@@ -403,13 +403,16 @@ def test_in_job_restarts_and_the_progress_timeout_reach_resilience_run() -> None
     assert "-m resilience run --nproc-per-node 4 --max-restarts 2 --progress-timeout 900 --master-port" in text
     multi = render_slurm(config_from_dict(_variant(nodes=2, progress_timeout=120.5)), config_path=CONFIG_PATH)
     assert "--nproc-per-node 4 --progress-timeout 120.5 --master-addr" in multi
+    # several nodes: every node's launcher shares the attempt's fault file, and restarts through it
+    assert '--fault-file "$prefix.faults"' in multi and '"$rs_prefix".faults' in multi
+    restarting = render_slurm(config_from_dict(_variant(nodes=2, in_job_restarts=1)), config_path=CONFIG_PATH)
+    assert "--nproc-per-node 4 --max-restarts 1 --master-addr" in restarting
     assert "--max-restarts" not in _render("single") and "--progress-timeout" not in _render("multinode")  # defaults: as before
 
 
 @pytest.mark.parametrize(
     "slurm, fragment",
     [
-        ({"in_job_restarts": 1, "nodes": 2}, "slurm.in_job_restarts: in-job restarts work on one node only"),
         ({"in_job_restarts": -1}, "slurm.in_job_restarts"),
         ({"progress_timeout": "soon"}, "slurm.progress_timeout: expected 'auto' or a number of seconds > 0"),
         ({"progress_timeout": 0}, "slurm.progress_timeout"),

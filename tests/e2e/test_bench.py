@@ -127,6 +127,10 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
         "cost per preemption",
         "sync save, FSDP2 2 ranks (safetensors)",
         "sharded save vs DCP save",
+        "watchdog: progress reports, 3 interleaved A/B pairs",
+        "watchdog detection, a rank hung in a step",
+        "watchdog detection, a rank SIGKILLed",
+        "watchdog detection, a rank SIGSTOPped",
     )
     for label in labels:
         assert any(row.startswith(f"| {label}") for row in table), f"no table row for {label!r}:\n" + "\n".join(table)
@@ -157,6 +161,13 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
     assert agreement["pass"] == (agreement["ci_high"] <= 0.01 and agreement["stop_latency_s"]["auto"] <= 1.0)
     assert doc["agreement_overhead_fraction"]["step_s"]["none"] > 0
     assert doc["agreement_overhead_fraction"]["stop_latency_steps"]["k1"] >= 1
+    watchdog = doc["watchdog_overhead_fraction"]
+    assert watchdog["ab"]["n"] == 3 and watchdog["ci_low"] <= watchdog["value"] <= watchdog["ci_high"]
+    assert watchdog["ab"]["stalls_seen"] == 0  # the launcher-side reads ran beside the pairs and saw no stall
+    detection = doc["watchdog_detection_vs_limit"]
+    assert detection["progress_timeout_s"] == 1.5 and set(detection["detect_s"]) == {"hang", "kill", "stop"}
+    for kind in ("hang", "stop"):  # a stall is seen only once the rank has been silent for the timeout
+        assert detection["silence_s"][kind] >= 1.5 and detection["recover_s"][kind] >= detection["detect_s"][kind] > 0
     assert doc["signal_to_exit_vs_budget"]["all_exited_preempted"] is True
     assert doc["save_peak_extra_rss_fraction"]["state_bytes"] == doc["meta"]["state_bytes"]
     # goodput: one preemption every 3 s through the launcher, resumed, finished; nothing trained twice

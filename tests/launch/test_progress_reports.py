@@ -108,7 +108,10 @@ def test_a_heartbeat_inside_a_long_step_refreshes_the_time_but_not_the_step(tmp_
         (["--progress-timeout", "soon"], "--progress-timeout: expected 'auto' or a number of seconds > 0, got 'soon'"),
         (["--startup-timeout", "0"], "--startup-timeout: expected a number of seconds > 0"),
         (["--max-restarts", "-1"], "--max-restarts: expected an int >= 0"),
-        (["--max-restarts", "1", "--nnodes", "2", "--master-port", "29500"], "--max-restarts: in-job restarts work on one node only"),
+        (
+            ["--max-restarts", "1", "--nnodes", "2", "--master-port", "29500"],
+            "--max-restarts: with --nnodes > 1 the launchers restart together through a shared file: pass --fault-file PATH",
+        ),
     ],
 )
 def test_a_watchdog_option_resilience_run_cannot_take_exits_2_before_starting_anything(argv, message, capsys):

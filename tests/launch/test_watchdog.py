@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,17 +31,34 @@ EVERY_5 = "step_scheduler.ckpt_every_steps=5"
 
 def run(ckpt: Path, *launcher_args: str, env: dict | None = None, overrides: tuple[str, ...] = (), timeout: float = 240) -> tuple[int, str, float]:
     """``resilience run -n 2 ... tiny_train.py ckpt`` to its end: (exit code, its output, seconds)."""
-    cmd = [sys.executable, "-m", "resilience", "run", "-n", "2", "--kill-grace", str(KILL_GRACE_S), *launcher_args, str(TINY), str(ckpt), EVERY_5, *overrides]
-    started = time.monotonic()
+    return run_launchers(ckpt, [["-n", "2", *launcher_args]], env=env, overrides=overrides, timeout=timeout)[0]
+
+
+def run_launchers(
+    ckpt: Path, launchers: list[list[str]], *, env: dict | None = None, overrides: tuple[str, ...] = (), timeout: float = 240
+) -> list[tuple[int, str, float]]:
+    """One ``resilience run <args> tiny_train.py ckpt`` per entry of ``launchers``, all at once, to
+    their end: (exit code, its output, seconds from the start to its exit) per launcher."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "", **(env or {})}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    started = time.monotonic()
+    procs, logs, ended = [], [], {}
+    for index, args in enumerate(launchers):
+        logs.append(ckpt.parent / f"launcher{index}-{int(started * 1000)}.log")
+        cmd = [sys.executable, "-m", "resilience", "run", "--kill-grace", str(KILL_GRACE_S), *args, str(TINY), str(ckpt), EVERY_5, *overrides]
+        with open(logs[-1], "w") as out:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
     try:
-        stderr, _ = proc.communicate(timeout=timeout)
+        while len(ended) < len(procs) and time.monotonic() - started < timeout:
+            for index, proc in enumerate(procs):
+                if index not in ended and proc.poll() is not None:
+                    ended[index] = time.monotonic() - started
+            time.sleep(0.05)
     finally:
-        if proc.poll() is None:  # a failed test must not leave its launcher or ranks behind
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    return proc.returncode, stderr, time.monotonic() - started
+        for proc in procs:
+            if proc.poll() is None:  # a failed test must not leave its launcher or ranks behind
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return [(proc.returncode, log.read_text(), ended.get(index, timeout)) for index, (proc, log) in enumerate(zip(procs, logs))]
 
 
 def final_weights(ckpt: Path) -> dict:
@@ -123,3 +141,48 @@ def test_a_crash_at_the_same_step_on_every_start_ends_with_76_after_the_no_progr
     assert "rank 1 exited with code 1" in stderr
     assert "the ranks exited 76 (NO_PROGRESS) after 2 in-job restart(s)" in stderr, stderr
     assert "checkpoint.max_restarts_without_progress" in stderr
+
+
+def two_nodes(ckpt: Path, *launcher_args: str, env: dict | None = None, attempt: int = 0) -> list[tuple[int, str, float]]:
+    """Two launchers of one rank each, as the two nodes of one job sharing a fault file, a new one
+    per attempt (as the multi-node Slurm template starts them): (exit code, output, seconds) per node."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    shared = ["-n", "1", "--nnodes", "2", "--master-port", port, "--fault-file", str(ckpt.parent / f"{attempt}.faults"), *launcher_args]
+    return run_launchers(ckpt, [["--node-rank", str(node), *shared] for node in (0, 1)], env=env)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_two_nodes_a_rank_killed_on_the_second_node_restarts_both_nodes_together_and_finishes_exactly(tmp_path, uninterrupted):
+    ckpt = tmp_path / "ck"
+    env = {"FAULTS": "kill@12", "FAULT_RANK": "1", "FAULT_DIR": str(tmp_path)}
+    (code0, log0, _), (code1, log1, _) = two_nodes(ckpt, "--max-restarts", "1", env=env)
+    assert (code0, code1) == (0, 0), log0 + log1
+    assert "rank 1 exited with signal SIGKILL; restarting every local rank from LATEST (in-job restart 1 of 1)" in log1, log1
+    assert "told the other nodes' launchers" in log1
+    # node 0's rank is ended by node 1's record, or fails in its next collective first: either way it restarts too
+    assert "restarting every local rank from LATEST (in-job restart 1 of 1)" in log0, log0
+    assert "rank 0: resumed from epoch_0_step_10" in log0
+    assert_bitwise_equal(final_weights(ckpt), uninterrupted)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_two_nodes_without_restarts_a_kill_on_one_node_ends_both_launchers_with_75_at_once_and_the_next_start_resumes_exactly(tmp_path, uninterrupted):
+    ckpt = tmp_path / "ck"
+    env = {"FAULTS": "kill@12", "FAULT_RANK": "1", "FAULT_DIR": str(tmp_path)}
+    (code0, log0, seconds0), (code1, log1, seconds1) = two_nodes(ckpt, env=env)
+    assert (code0, code1) == (ExitCode.PREEMPTED, ExitCode.PREEMPTED), log0 + log1
+    assert "rank 1 exited with signal SIGKILL" in log1 and "exit code 75" in log1, log1
+    # node 0 ends within moments, not after a collective timeout (120 s and more here): its rank is
+    # ended by node 1's record, or fails in its next collective and the kill on node 1 counts as the cause
+    assert "node 1's launcher: rank 1 exited with signal SIGKILL" in log0 and "exit code 75" in log0, log0
+    assert abs(seconds0 - seconds1) < 10, (seconds0, seconds1)
+    assert os.readlink(ckpt / LATEST) == "epoch_0_step_10"
+
+    (code0, log0, _), (code1, _, _) = two_nodes(ckpt, attempt=1)  # the requeued job
+    assert (code0, code1) == (0, 0), log0
+    assert "rank 0: resumed from epoch_0_step_10" in log0
+    assert_bitwise_equal(final_weights(ckpt), uninterrupted)

@@ -6,13 +6,16 @@ partition preemption) makes both ranks save the same step, the job requeues itse
 finishes with weights bitwise equal to an uninterrupted run; array tasks requeue as
 ``<array job id>_<task id>``; the restart limit ends the job with 77; no worker outlives its job;
 on two nodes the signal is forwarded on the batch node only and the agreement stops the other.
+A rank SIGKILLed mid-run (issue 16): with ``slurm.in_job_restarts`` the ranks restart in the job
+(one node; and on two nodes both nodes' ranks together); without, both nodes' launchers end at
+once and the job requeues; each completes exactly.
 
 Jobs are slow to start on this 2-core machine and Slurm's time-limit check runs every 30 s, so
 the scenarios run concurrently: a module fixture starts every scenario the selected tests need
 (in threads, one job each), and each test waits for its own and asserts. The one-node scenarios
-use the ``slurm_cluster`` fixture (8 CPUs advertised: four 2-CPU jobs fit); the two-node ones and
-the preemption scenario use ``slurm_cluster_2nodes`` (see ``scenario_preempt`` for why the
-preemption there hits our job only). The two clusters share this machine's ports and number their
+use the ``slurm_cluster`` fixture (8 CPUs advertised: four 2-CPU jobs fit); the two-node ones,
+the preemption scenario and the one-node killed-rank job (on n2) use ``slurm_cluster_2nodes`` (see
+``scenario_preempt`` for why the preemption there hits our job only). The two clusters share this machine's ports and number their
 jobs alike, while the rendezvous port derives from the job id: the two-node cluster's job ids are
 first moved 100 past the one-node cluster's (``sbatch --test-only`` uses up an id).
 
@@ -253,6 +256,40 @@ def _signal_ranks(job: Job, sig: int) -> None:
                     pass
 
 
+def _kill_rank(job: Job, rank: int) -> int:
+    """SIGKILL global rank ``rank`` of the job's first attempt (from its node's pid file); its pid."""
+    for path in (job.dir / ".resilience").glob(f"{job.id}.0.*.pids"):
+        for line in path.read_text().splitlines():
+            if line.startswith(f"rank {rank} "):
+                os.kill(int(line.split()[-1]), signal.SIGKILL)
+                return int(line.split()[-1])
+    raise AssertionError(f"rank {rank} of job {job.id} is in no pid file\n{job.log()}")
+
+
+# A rank killed mid-run: checkpoints every 10 steps, so the restart resumes from one.
+KILL_AFTER_STEPS = 25
+EVERY_10 = "step_scheduler.ckpt_every_steps=10"
+
+
+def _killed_mid_run(job: Job, rank: int) -> Job:
+    # These jobs start last and may wait for CPUs that the other scenarios hold.
+    job.wait_log(r"^resilience: trap installed", 200)
+    job.killed_at_step = job.wait_steps(KILL_AFTER_STEPS, 120)
+    job.killed_pid = _kill_rank(job, rank)
+    job.killed_at = time.time()
+    job.wait_end(timeout=150)
+    return job
+
+
+def scenario_kill_in_job(c: Campaign) -> Job:
+    """slurm.in_job_restarts=2, a one-node job: rank 1 SIGKILLed mid-run; the launcher restarts both
+    ranks in the job (no requeue) and they finish from LATEST. On the two-node cluster's n2, in
+    partition high: the one-node cluster's CPUs are taken by the timing-sensitive scenarios and
+    their requeued attempts, and n2 runs nothing that preempts or is preempted."""
+    overrides = ("slurm.partition=high", "slurm.sbatch_extra=[--nodelist=n2]", "slurm.in_job_restarts=2")
+    return _killed_mid_run(c.submit2("kill_in_job", f"step_scheduler.num_epochs={E_SHORT}", EVERY_10, *overrides), 1)
+
+
 def scenario_timelimit(c: Campaign) -> Job:
     """Slurm's own time-limit warning, arriving while the ranks train.
 
@@ -386,11 +423,28 @@ def scenario_mn_prelaunch(c: Campaign) -> Job:
     return job
 
 
+def scenario_mn_kill_in_job(c: Campaign) -> Job:
+    """Two nodes, slurm.in_job_restarts=1: the rank on n2 SIGKILLed mid-run; both nodes' launchers
+    restart their ranks together (the shared fault file), no requeue."""
+    overrides = ("slurm.nodes=2", "slurm.nproc_per_node=1", "slurm.partition=high", "slurm.in_job_restarts=1")
+    c.after("preempt")
+    return _killed_mid_run(c.submit2("mn_kill_in_job", f"step_scheduler.num_epochs={E_SHORT}", EVERY_10, *overrides), 1)
+
+
+def scenario_mn_kill_requeue(c: Campaign) -> Job:
+    """Two nodes, no in-job restarts: the rank on n2 SIGKILLed mid-run; both launchers exit 75 at
+    once and the batch script requeues the whole job."""
+    overrides = ("slurm.nodes=2", "slurm.nproc_per_node=1", "slurm.partition=high")
+    c.after("preempt")
+    return _killed_mid_run(c.submit2("mn_kill_requeue", f"step_scheduler.num_epochs={E_SHORT}", EVERY_10, *overrides), 1)
+
+
 def scenario_preempt(c: Campaign) -> Job:
     """Ours in partition debug on node n1, holding 6 of its 8 CPUs; then a job in partition high
     (higher PriorityTier) asking for 4 CPUs there. The two-node jobs running meanwhile hold at
     most 2 CPUs of n1 and, being in partition high themselves, cannot be preempted: the new
-    job can only start by preempting ours, and preempting ours is always enough."""
+    job can only start by preempting ours, and preempting ours is always enough. (The killed-rank
+    two-node scenarios would be two more jobs in partition high there: they start after this one.)"""
     job = c.submit2(
         "preempt",
         f"step_scheduler.num_epochs={E_SHORT}",
@@ -418,9 +472,12 @@ SCENARIOS: dict[str, Callable[[Campaign], object]] = {  # started in this order
     "mn_scancel": scenario_mn_scancel,
     "mn_prelaunch": scenario_mn_prelaunch,
     "preempt": scenario_preempt,
+    "kill_in_job": scenario_kill_in_job,
+    "mn_kill_in_job": scenario_mn_kill_in_job,
+    "mn_kill_requeue": scenario_mn_kill_requeue,
 }
 ONE_NODE = {"check_probe", "timelimit", "scancel", "array", "limit"}
-TWO_NODES = {"mn_scancel", "mn_prelaunch", "preempt"}
+TWO_NODES = {"mn_scancel", "mn_prelaunch", "preempt", "kill_in_job", "mn_kill_in_job", "mn_kill_requeue"}
 
 
 class Campaign:
@@ -442,6 +499,12 @@ class Campaign:
 
     def result(self, name: str, timeout: float = 280):
         return self.futures[name].result(timeout=timeout)
+
+    def after(self, name: str) -> None:
+        """Wait until scenario ``name`` has ended, when it runs in this campaign (its errors are its
+        own test's to report)."""
+        if name in self.futures:
+            concurrent.futures.wait([self.futures[name]], timeout=280)
 
     def track(self, cluster: SlurmCluster, job_id: str) -> None:
         with self._lock:
@@ -475,6 +538,12 @@ NEEDS = {
     "test_no_worker_outlives_its_job": {"scancel"},
     "test_multinode_signal_reaches_batch_node_launcher_only_and_both_nodes_stop_at_one_step": {"mn_scancel", "ref_short"},
     "test_multinode_signal_before_launch_is_not_lost": {"mn_prelaunch", "ref_short"},
+    "test_in_job_restart_a_killed_rank_restarts_in_the_job_without_requeue_and_completes_exactly": {"kill_in_job", "ref_short"},
+    "test_multinode_in_job_restart_a_rank_killed_on_the_second_node_restarts_both_nodes_together_and_completes_exactly": {
+        "mn_kill_in_job",
+        "ref_short",
+    },
+    "test_multinode_a_rank_killed_on_the_second_node_ends_both_nodes_at_once_requeues_and_completes_exactly": {"mn_kill_requeue", "ref_short"},
 }
 
 
@@ -631,4 +700,62 @@ def test_multinode_signal_before_launch_is_not_lost(campaign: Campaign) -> None:
     assert sorted(steps) == [0, 1] and steps[0] == steps[1] <= 2, log
     assert "training done; exit 0" in second
     assert not list((job.dir / ".resilience").glob("*.stop"))  # removed at each attempt's end
+    assert_exact(job, campaign.result("ref_short"))
+
+
+def _restarted_in_job(job: Job) -> str:
+    """The log of a job whose ranks restarted in the job: one attempt, no requeue, done."""
+    log = job.log()
+    assert len(attempts(log)) == 1 and "requeueing" not in log, log
+    assert job.info["Restarts"] == "0", job.info
+    assert "training done; exit 0" in log, log
+    assert job.leftovers == [], job.leftovers
+    return log
+
+
+@pytest.mark.timeout(300)
+def test_in_job_restart_a_killed_rank_restarts_in_the_job_without_requeue_and_completes_exactly(campaign: Campaign) -> None:
+    """slurm.in_job_restarts=2: rank 1 SIGKILLed mid-run is restarted by the launcher, with rank 0,
+    from LATEST, in the same job (same SLURM_RESTART_COUNT), and the job ends exactly."""
+    job = campaign.result("kill_in_job")
+    log = _restarted_in_job(job)
+    assert "rank 1 exited with signal SIGKILL; restarting every local rank from LATEST (in-job restart 1 of 2)" in log, log
+    assert "in-job restart 2 of 2" not in log
+    assert_exact(job, campaign.result("ref_short"))
+
+
+@pytest.mark.timeout(300)
+def test_multinode_in_job_restart_a_rank_killed_on_the_second_node_restarts_both_nodes_together_and_completes_exactly(
+    campaign: Campaign,
+) -> None:
+    """2 nodes x 1 rank, slurm.in_job_restarts=1: the rank on n2 SIGKILLed mid-run; n2's launcher
+    records it in the attempt's fault file, n1's launcher ends its rank (or sees it fail) and both
+    restart their ranks together, without a requeue; the job ends exactly."""
+    job = campaign.result("mn_kill_in_job")
+    log = _restarted_in_job(job)
+    assert "rank 1 exited with signal SIGKILL; restarting every local rank from LATEST (in-job restart 1 of 1)" in log, log
+    assert log.count("restarting every local rank from LATEST (in-job restart 1 of 1)") == 2, log  # both nodes
+    assert "fault 0 1 1 rank 1 exited with signal SIGKILL" in (job.dir / ".resilience" / f"{job.id}.0.faults").read_text()
+    assert_exact(job, campaign.result("ref_short"))
+
+
+@pytest.mark.timeout(300)
+def test_multinode_a_rank_killed_on_the_second_node_ends_both_nodes_at_once_requeues_and_completes_exactly(campaign: Campaign) -> None:
+    """2 nodes x 1 rank, no in-job restarts: the rank on n2 SIGKILLed mid-run; n2's launcher exits
+    75, n1's ends its rank at once through the fault file (no collective timeout) and exits 75 too;
+    the batch script requeues the whole job, which resumes and ends exactly."""
+    job = campaign.result("mn_kill_requeue")
+    log = job.log()
+    first, second = attempts(log)
+    assert "rank 1 exited with signal SIGKILL; no in-job restarts (--max-restarts 0)" in first, log
+    assert "node 1's launcher: rank 1 exited with signal SIGKILL" in first, log  # n1's launcher counts n2's kill
+    assert first.count("exit code 75 (requeue") == 2, log
+    # both launchers ended within seconds of the kill (the ranks' collective timeout is 600 s here)
+    ended = float(re.search(r"^resilience: srun of resilience run on 2 nodes .* exited with 75 at ([\d.]+)", first, re.M).group(1))
+    print(f"\nn2's rank SIGKILLed after step {job.killed_at_step}; srun of both launchers ended {ended - job.killed_at:.1f} s later")
+    assert ended - job.killed_at < 20, ended - job.killed_at
+    assert f"requeueing {job.id} (restart 1 " in first
+    assert job.info["Restarts"] == "1"
+    assert "training done; exit 0" in second
+    assert job.leftovers == [], job.leftovers
     assert_exact(job, campaign.result("ref_short"))
