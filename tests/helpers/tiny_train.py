@@ -95,6 +95,8 @@ try:
             loop.log(loss=loss.item())
             if sleep_s:
                 time.sleep(sleep_s)
+    if loop.resumed_from is not None and not announced:  # resumed at the last step: no step left to run
+        print(f"rank {rank}: resumed from {loop.resumed_from.name}", flush=True)
     print(f"rank {rank}: exit {int(loop.exit_code)}", flush=True)
 finally:
     # Free the DDP module, then destroy the group: either left alive at interpreter exit (after
