@@ -55,19 +55,6 @@ def fsdp2_uninterrupted(tmp_path_factory):
     return out / "rec"
 
 
-def test_a_model_without_dtensors_needs_no_process_group_to_be_checked_before_training(tmp_path):
-    # the check of a sharded model is a collective; a replicated one, even one with no parameters
-    # at all (torch's state-dict pass refuses it without a process group), is passed without one
-    from resilience.checkpoint import Checkpointer, TrainingState
-    from resilience.config import CheckpointConfig
-    from resilience.distributed import DistContext
-    from resilience.state.step_scheduler import StepScheduler
-
-    for model in (torch.nn.Identity(), torch.nn.Linear(2, 2)):
-        config = CheckpointConfig(checkpoint_dir=str(tmp_path), model_save_format="safetensors")
-        Checkpointer(config, DistContext(), state=TrainingState(model=model), scheduler=StepScheduler(num_epochs=1))
-
-
 # -- the plan (no processes) -------------------------------------------------------------------------
 def _block(global_shape, offsets, shape):
     return Block(tuple(global_shape), tuple(offsets), tuple(shape), "float32")
