@@ -60,10 +60,11 @@ def checkpoint_parts(
     rank = ctx.rank
     parts = []
     if state.optimizer is not None and not config.no_save_optim:  # collective first: it must run on every rank
-        tensors, skeleton = optim_io.capture_optimizer(state.model, state.optimizer)
+        tensors, skeleton = optim_io.capture_optimizer(state.model, state.optimizer, world_size=ctx.world_size, gather=ctx.all_gather_object)
+        by = "all ranks" if optim_io.uses_dcp((tensors, skeleton)) else "each rank"  # DCP's save is a collective
         if buffers is not None:
             tensors = buffers.copy_in(tensors, prefix="optim.")
-        parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), {"rank": rank, "group": group}, by="all ranks"))
+        parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), {"rank": rank, "group": group}, by=by))
     parts += _model_parts(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers)  # every rank writes its shard
     if rank == 0:
         if state.lr_scheduler is not None:
