@@ -59,8 +59,8 @@ def replicated(tensors: dict[str, torch.Tensor], world_size: int, gather: Callab
 
 def assign(tensors: dict[str, torch.Tensor], skeleton: dict[str, Any], world_size: int) -> None:
     """Give each tensor of ``skeleton`` (see ``optim_io``) the file of the rank that writes it,
-    balanced by bytes; record the storage and the file list."""
-    owner = balance({key: t.numel() * t.element_size() for key, t in tensors.items()}, world_size)
+    balanced by bytes (every rank computes the same); record the storage and the file list."""
+    owner = balance({key: t.numel() * t.element_size() for key, t in tensors.items()}, world_size) if world_size > 1 else dict.fromkeys(tensors, 0)
     for entries in skeleton["state"].values():
         for spec in entries.values():
             if "tensor" in spec:

@@ -49,16 +49,22 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, An
 
 
 def capture_optimizer(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int = 1, gather: Callable[[Any], list[Any]] | None = None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    world_size: int = 1,
+    gather: Callable[[Any], list[Any]] | None = None,
+    state: dict[str, Any] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The optimizer state as (tensors, JSON skeleton); the tensors are the live ones (copy them
-    before training continues if the save is asynchronous). Decides where they go: our own files
-    when every rank holds them alike (:func:`optim_files.replicated`: a collective through
-    ``gather``, ``DistContext.all_gather_object``, when ``world_size > 1``), else DCP;
-    :func:`uses_dcp` tells which."""
-    tensors, skeleton = _split(get_optimizer_state_dict(model, optimizer))
+    before training continues if the save is asynchronous). ``state``:
+    ``get_optimizer_state_dict(model, optimizer)`` when the caller has it already. Decides where
+    they go: our own files when every rank holds them alike (:func:`optim_files.replicated`: a
+    collective through ``gather``, ``DistContext.all_gather_object``, when ``world_size > 1``),
+    else DCP; :func:`uses_dcp` tells which (the files are assigned when written)."""
+    tensors, skeleton = _split(get_optimizer_state_dict(model, optimizer) if state is None else state)
     if optim_files.replicated(tensors, world_size, gather):
-        optim_files.assign(tensors, skeleton, world_size)
+        skeleton["storage"] = optim_files.STORAGE
     return tensors, skeleton
 
 
@@ -68,7 +74,9 @@ def uses_dcp(captured: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> bool:
     return captured[1].get("storage") != optim_files.STORAGE
 
 
-def save_optimizer(staging: Path, captured: tuple[dict[str, torch.Tensor], dict[str, Any]], *, rank: int, group: Any = None) -> list[str | FileRecord]:
+def save_optimizer(
+    staging: Path, captured: tuple[dict[str, torch.Tensor], dict[str, Any]], *, rank: int, world_size: int = 1, group: Any = None
+) -> list[str | FileRecord]:
     """Write a :func:`capture_optimizer` state: this rank's file, or (DCP) its part of a
     collective over ``group`` that every rank calls.
 
@@ -79,6 +87,7 @@ def save_optimizer(staging: Path, captured: tuple[dict[str, torch.Tensor], dict[
     if uses_dcp(captured):
         written: list[str | FileRecord] = [rec.under(OPTIM_DIR) for rec in dcp_io.save_tensors(tensors, staging / OPTIM_DIR, rank=rank, group=group)]
     else:
+        optim_files.assign(tensors, skeleton, world_size)  # the same on every rank: no collective
         written = list(optim_files.save(staging, tensors, skeleton, rank))
     if rank == 0:
         (staging / SKELETON).write_text(json.dumps(skeleton))
