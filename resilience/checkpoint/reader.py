@@ -140,6 +140,7 @@ def load_verified(ctx: DistContext, directory: Path, manifest: dict[str, Any], l
     try:
         result = load(check)
     except (KeyboardInterrupt, SystemExit):
+        check.abandon()  # leave now: no digest pass of what the load did not reach
         raise
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; decided below
         error = exc

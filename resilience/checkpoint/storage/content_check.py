@@ -42,6 +42,7 @@ class ContentCheck(threading.Thread):
         self._checked: set[str] = set()  # digested to the end (by either)
         self._lock = threading.Lock()
         self._load_over = threading.Event()
+        self._abandoned = False
 
     def claim(self, rel: str) -> Any:
         """A fresh hash object for the loader to feed every byte of ``rel`` with, in order, or
@@ -66,6 +67,11 @@ class ContentCheck(threading.Thread):
         self._load_over.set()
         self.join()
 
+    def abandon(self) -> None:
+        """Stop after the file being digested (the load was interrupted: its result is not used)."""
+        self._abandoned = True
+        self._load_over.set()
+
     def run(self) -> None:
         """The share less ``inline`` now, the rest after :meth:`finish`; stops at the first problem."""
         for rel in self.rels:
@@ -82,6 +88,8 @@ class ContentCheck(threading.Thread):
         """Digest ``rel`` unless the loader took it (``force``: even then, as it did not report
         it); False once a problem is recorded."""
         with self._lock:
+            if self._abandoned:
+                return False
             if rel in self._taken and not force:
                 return self.problem is None
             self._taken.add(rel)
