@@ -29,8 +29,11 @@ names from here only, so this tree is the whole layout::
           adapter_model.safetensors  adapter_config.json   ADAPTER_WEIGHTS, ADAPTER_CONFIG (PEFT)
           .metadata  __0_0.distcp ...     DCP_METADATA, DCP_SUFFIX: model_save_format torch_save (DCP)
         optim/                            OPTIM_DIR
-          .metadata  __0_0.distcp ...     DCP's files
-          skeleton.json  lr_scheduler.json   SKELETON, LR_SCHEDULER
+          shard-00001-of-00002.safetensors ...   optim_shard_name() (OPTIM_SHARD_GLOB): state every rank holds in full
+                                          (plain, DDP), each rank writing ~1/N of the tensors
+          .metadata  __0_0.distcp ...     DCP's files: sharded (DTensor) state, and checkpoints
+                                          written before the optimizer had its own files
+          skeleton.json  lr_scheduler.json   SKELETON (structure, and the file of each tensor), LR_SCHEDULER
         rng/rank_00000.safetensors ...    RNG_DIR, rank_file(): one per global rank
         dataloader/rank_00000.json ...    DATALOADER_DIR, rank_file(): one per data-parallel rank
         extra/<name>.json  extra/<name>.safetensors   EXTRA_DIR
@@ -96,6 +99,7 @@ DCP_METADATA = ".metadata"  # DCP's own index (a pickle) in model/ (torch_save) 
 DCP_SUFFIX = ".distcp"
 SAFETENSORS_SUFFIX = ".safetensors"
 MODEL_SHARD_GLOB = "shard-*-model-*-of-*.safetensors"
+OPTIM_SHARD_GLOB = "shard-*-of-*.safetensors"  # inside OPTIM_DIR: optim_shard_name()
 
 # The same, relative to the checkpoint directory.
 MODEL_SHARD_INDEX = f"{MODEL_DIR}/{SHARD_INDEX}"
@@ -151,6 +155,12 @@ def extra_files(name: str) -> tuple[str, str]:
 def model_shard_name(shard: int, num_shards: int, file_index: int = 1, num_files: int = 1) -> str:
     """NeMo AutoModel's shard name: ``shard-0000K-model-0000I-of-0000N.safetensors`` (1-based)."""
     return f"shard-{shard:05d}-model-{file_index:05d}-of-{num_files:05d}.safetensors"
+
+
+def optim_shard_name(shard: int, num_shards: int) -> str:
+    """``shard-0000K-of-0000N.safetensors`` (1-based): the optimizer state file rank K-1 of N writes
+    (inside ``OPTIM_DIR``)."""
+    return f"shard-{shard:05d}-of-{num_shards:05d}{SAFETENSORS_SUFFIX}"
 
 
 def hf_file_name(index: int, count: int) -> str:

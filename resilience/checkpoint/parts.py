@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from resilience.checkpoint.formats import hf_export, model_io, optim_io, pieces
 from resilience.checkpoint.formats.bundle_shards import write_bundle_share
@@ -59,12 +59,17 @@ def checkpoint_parts(
     """
     rank = ctx.rank
     parts = []
+    model_state = None
     if state.optimizer is not None and not config.no_save_optim:  # collective first: it must run on every rank
-        tensors, skeleton = optim_io.capture_optimizer(state.model, state.optimizer)
+        # Both state dicts in one call: torch's helpers map every parameter to its name once, not
+        # twice (for an asynchronous save this runs while training waits).
+        model_state, optim_state = get_state_dict(state.model, state.optimizer)
+        tensors, skeleton = optim_io.capture_optimizer(state.model, state.optimizer, world_size=ctx.world_size, gather=ctx.all_gather_object, state=optim_state)
+        by = "all ranks" if optim_io.uses_dcp((tensors, skeleton)) else "each rank"  # DCP's save is a collective
         if buffers is not None:
             tensors = buffers.copy_in(tensors, prefix="optim.")
-        parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), {"rank": rank, "group": group}, by="all ranks"))
-    parts += _model_parts(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers)  # every rank writes its shard
+        parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), {"rank": rank, "world_size": ctx.world_size, "group": group}, by=by))
+    parts += _model_parts(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers, tensors=model_state)  # every rank writes its shard
     if rank == 0:
         if state.lr_scheduler is not None:
             parts.append(_json_part("lr_scheduler", LR_SCHEDULER, optim_io.lr_scheduler_json(state.lr_scheduler)))
@@ -92,10 +97,19 @@ def epoch_of(scheduler: StepScheduler) -> int:
 
 
 def _model_parts(
-    state: TrainingState, reason: str, *, config: CheckpointConfig, ctx: DistContext, group: Any, root: Path, buffers: StagingBuffers | None
+    state: TrainingState,
+    reason: str,
+    *,
+    config: CheckpointConfig,
+    ctx: DistContext,
+    group: Any,
+    root: Path,
+    buffers: StagingBuffers | None,
+    tensors: dict[str, Any] | None = None,
 ) -> list[Part]:
     """The model's part; with a Hugging Face bundle of a sharded (DTensor) model, also the part that
-    streams it from every rank's shards once they are all written (no rank holds the full model)."""
+    streams it from every rank's shards once they are all written (no rank holds the full model).
+    ``tensors``: ``get_model_state_dict(state.model)`` when the caller has it already."""
     fmt, when = config.model_save_format, config.save_consolidated
     consolidated = when == "every" or (when == "final" and reason == "final")
     if hf_export.is_peft_model(state.model):
@@ -104,7 +118,7 @@ def _model_parts(
         held = root / f"{TRASH_PREFIX}adapter_{uuid.uuid4().hex[:8]}"  # cleaned up at start if left
         written = model_io.save_model(held, state.model, rank=ctx.rank, tokenizer=state.tokenizer) if ctx.rank == 0 else []
         return [Part("model", _move_in, (held, written), by="rank 0")]  # the other ranks move in nothing
-    tensors = get_model_state_dict(state.model)
+    tensors = get_model_state_dict(state.model) if tensors is None else tensors
     bundle = []
     if consolidated and fmt == "safetensors" and pieces.is_sharded(tensors):
         consolidated = False  # the model part writes the shards only; this part the bundle, after them
@@ -113,9 +127,11 @@ def _model_parts(
     # are neither copied nor written: the tensor is stored once, the tie recorded.
     aliases = model_io.tied_aliases(state.model, tensors) if fmt == "safetensors" else {}
     tensors = {key: t for key, t in tensors.items() if key not in aliases}
-    # Who writes which piece is settled now, on this thread and group (a collective for a sharded
-    # model), so the part itself (possibly in the background) only writes.
-    plan = pieces.make_plan(tensors, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object) if fmt == "safetensors" else None
+    # Who writes which piece of a sharded model is settled now, on this thread and group (a
+    # collective), so the part itself (possibly in the background) only writes; a replicated
+    # model's plan needs no peer, and is made by the part, off the time training waits.
+    sharded = fmt == "safetensors" and pieces.is_sharded(tensors)
+    plan = pieces.make_plan(tensors, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object) if sharded else None
     if buffers is not None:
         tensors = buffers.copy_in(tensors, prefix="model.")
     model = Part(

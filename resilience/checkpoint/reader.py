@@ -4,25 +4,27 @@ checking its bytes.
 Rank 0 follows ``LATEST`` (or ``restore_from``), checks the manifest and every file's size, and
 when the target is missing or incomplete falls back with a warning, in the order of
 :func:`~resilience.checkpoint.resume_choice.resume_candidates` (its lineage first, then older
-checkpoints); the manifest it parsed goes to every rank with the choice. Every rank then loads the chosen directory while a background thread digests its share
-of the files (:func:`load_verified`): reading every byte once for both, instead of a full
-checksum pass before the load, which read everything twice. A checkpoint whose bytes differ
-from its manifest is marked bad on every rank's behalf, so the next choice skips it.
+checkpoints); the manifest it parsed goes to every rank with the choice. Every rank then loads
+the chosen directory while checking its share of the files (:func:`load_verified`): the files
+the loader reads whole (our safetensors files) are digested as their bytes pass, the others by a
+background thread beside the load; every byte is read once, instead of a full checksum pass
+before the load, which read everything twice. A checkpoint whose bytes differ from its manifest
+is marked bad on every rank's behalf, so the next choice skips it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from resilience.checkpoint.balance import balance
 from resilience.checkpoint.layout import BAD_MARKER
 from resilience.checkpoint.resume_choice import choose
-from resilience.checkpoint.storage.manifest import CheckpointInvalid, digest_problem, validate
+from resilience.checkpoint.storage.content_check import ContentCheck
+from resilience.checkpoint.storage.manifest import CheckpointInvalid, validate
 from resilience.distributed import DistContext
 
 log = logging.getLogger("resilience.checkpoint")
@@ -115,13 +117,15 @@ def find_resume_point(
     return (Path(chosen), manifest) if chosen else (None, None)
 
 
-def load_verified(ctx: DistContext, directory: Path, manifest: dict[str, Any], load: Callable[[], T]) -> T:
-    """``load()`` (which reads ``directory``) while this rank digests its share of the checkpoint's
-    files, listed in its parsed ``manifest``, in a background thread; a collective over ``ctx``.
+def load_verified(ctx: DistContext, directory: Path, manifest: dict[str, Any], load: Callable[[ContentCheck], T], *, inline: Iterable[str] = ()) -> T:
+    """``load(check)`` (which reads ``directory``) while this rank digests its share of the
+    checkpoint's files, listed in its parsed ``manifest``; a collective over ``ctx``.
 
-    The shares are balanced by size, so every file is checked once across the ranks, and each
-    rank's check overlaps its own load (files read by both come from disk once). Returns what
-    ``load`` returned.
+    The shares are balanced by size, so every file is checked once across the ranks. ``check``
+    (a :class:`~resilience.checkpoint.storage.content_check.ContentCheck`) lets the loader digest
+    a file of the share itself as it reads it (``check.claim``/``check.report``): ``inline``
+    names the files it is expected to; a background thread digests the rest of the share during
+    the load, and after it whatever the loader did not report. Returns what ``load`` returned.
 
     Raises:
         CheckpointCorrupted: on every rank, when any file's digest differs from the manifest or
@@ -129,18 +133,19 @@ def load_verified(ctx: DistContext, directory: Path, manifest: dict[str, Any], l
         Exception: ``load``'s own error when the bytes were intact (a peer's, as RuntimeError).
     """
     files = manifest["files"]
-    check = _ContentCheck(directory, files, _share(files, ctx.rank, ctx.world_size))
+    check = ContentCheck(directory, files, _share(files, ctx.rank, ctx.world_size), inline=inline)
     check.start()
     error: BaseException | None = None
     result = None
     try:
-        result = load()
+        result = load(check)
     except (KeyboardInterrupt, SystemExit):
+        check.abandon()  # leave now: no digest pass of what the load did not reach
         raise
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; decided below
         error = exc
     finally:
-        check.join()
+        check.finish()
     reports = ctx.all_gather_object((check.problem, None if error is None else f"{type(error).__name__}: {error}"))
     problems = [problem for problem, _ in reports if problem]
     if problems:
@@ -159,22 +164,3 @@ def _share(files: dict[str, Any], rank: int, world_size: int) -> list[str]:
     """This rank's files to digest: largest first, each to the least loaded rank (all ranks agree)."""
     owner = balance({rel: int(files[rel].get("size", 0)) for rel in sorted(files)}, world_size)
     return sorted(rel for rel, r in owner.items() if r == rank)  # path order: roughly the order the loader reads them
-
-
-class _ContentCheck(threading.Thread):
-    """Digests ``rels`` under ``directory`` against the manifest ``files``; ``problem`` is the
-    first mismatch or read error, else None. The digests release the GIL, so this runs beside
-    the loader on another core."""
-
-    def __init__(self, directory: Path, files: dict[str, Any], rels: list[str]):
-        super().__init__(name="resilience-content-check", daemon=True)
-        self.directory, self.files, self.rels = directory, files, rels
-        self.problem: str | None = None
-
-    def run(self) -> None:
-        """Digest each file in turn; stop at the first problem, recorded in ``problem``."""
-        for rel in self.rels:
-            problem = digest_problem(self.directory / rel, self.files[rel])
-            if problem is not None:
-                self.problem = f"{self.directory / rel}: {problem}"
-                return

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import MANIFEST, parse_checkpoint_name
-from resilience.checkpoint.loading import Restored, load_state
+from resilience.checkpoint.loading import Restored, inline_files, load_state
 from resilience.checkpoint.policy.lineage import parent_ref
 from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, find_resume_point, load_verified
 from resilience.checkpoint.resume_choice import remove_leftovers
+from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.manifest import read_manifest
 from resilience.state.batch_size import continue_with_batch_size
 from resilience.state.rng import load_rng_state
@@ -131,11 +132,12 @@ class Resuming:
         chosen, manifest = self._chosen_manifest
         if chosen != directory or manifest is None:  # a directory not from find_resume_point
             manifest = read_manifest(directory)
-        return load_verified(self.ctx, directory, manifest, lambda: self._load(directory, manifest, state))
-
-    def _load(self, directory: Path, manifest: dict[str, Any], state: TrainingState) -> Restored:
         weights_only = self.config.no_load_optim and self.resume_source in ("load_path", "restore_from")
-        restored = load_state(directory, manifest, state, self.ctx, self.config, weights_only=weights_only)
+        inline = inline_files(manifest, state, weights_only=weights_only)
+        return load_verified(self.ctx, directory, manifest, lambda check: self._load(directory, manifest, state, weights_only, check), inline=inline)
+
+    def _load(self, directory: Path, manifest: dict[str, Any], state: TrainingState, weights_only: bool, check: ContentCheck) -> Restored:
+        restored = load_state(directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check)
         if not weights_only:
             if self.ctx.rank == 0 and self.resume_source != "load_path":
                 self.lowest_val.reload()  # the best so far survives the restart

@@ -27,7 +27,7 @@ from resilience.checkpoint import (
     writer,
 )
 from resilience.checkpoint.formats.model_io import model_file
-from resilience.checkpoint.layout import BAD_MARKER, LATEST, MANIFEST
+from resilience.checkpoint.layout import BAD_MARKER, LATEST, MANIFEST, OPTIM_DIR, optim_shard_name
 from resilience.checkpoint.storage.durable import DIGEST, file_digest
 from resilience.checkpoint.storage.manifest import validate
 from resilience.checkpoint.storage.pointers import read_pointer, write_pointer
@@ -244,7 +244,7 @@ def test_layout_manifest_lists_exactly_the_files_on_disk_and_latest_is_relative(
             assert entry[DIGEST] == file_digest(directory / rel)
         assert {
             model_file(),
-            "optim/.metadata",
+            f"{OPTIM_DIR}/{optim_shard_name(1, 1)}",
             "optim/skeleton.json",
             "optim/lr_scheduler.json",
             "step_scheduler.json",
@@ -415,10 +415,10 @@ def test_corrupt_optimizer_bytes_fall_back_to_an_exact_older_state(root):
     older, newer = make_state(seed=1, train_steps=2), make_state(seed=1, train_steps=4)
     save_at(checkpointer(root, older), 2)
     save_at(checkpointer(root, newer), 4)
-    distcp = root / "epoch_0_step_4" / "optim" / "__0_0.distcp"
-    data = bytearray(distcp.read_bytes())
+    optim = root / "epoch_0_step_4" / OPTIM_DIR / optim_shard_name(1, 1)  # digested as the loader reads it
+    data = bytearray(optim.read_bytes())
     data[len(data) // 2] ^= 0x01
-    distcp.write_bytes(bytes(data))
+    optim.write_bytes(bytes(data))
     fresh = make_state(seed=3)
     assert checkpointer(root, fresh).restore().directory == root / "epoch_0_step_2"
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), older.model.parameters()))

@@ -69,6 +69,7 @@ from resilience.checkpoint.layout import (
     model_shard_name,
 )
 from resilience.checkpoint.storage import dcp_io
+from resilience.checkpoint.storage.content_check import ContentCheck, read_checked
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.checkpoint.storage.safetensors_file import read_safetensors
 from resilience.distributed import DistContext
@@ -212,9 +213,10 @@ def bundle_omits(model: torch.nn.Module, aliases: dict[str, str]) -> list[str]:
     return sorted(alias for alias in aliases if alias in declared)
 
 
-def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) -> None:
+def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, check: ContentCheck | None = None) -> None:
     """Load the weights saved in ``directory/model/`` into ``model`` in place, whatever the layout
     (sharded safetensors under any world size, DCP — a collective over ``group`` — or adapters).
+    Shards read whole (a replicated model) are digested as they pass when in ``check``'s share.
 
     Raises:
         ValueError: missing or unexpected keys, or adapters for a model that is not a PEFT model.
@@ -235,7 +237,8 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None) ->
             return
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted({info["shard"] for info in layout.values()}):
-            tensors.update(read_safetensors(model_dir / shard, live))
+            rel = f"{MODEL_DIR}/{shard}"
+            tensors.update(read_checked(check, rel, lambda hasher, path=model_dir / shard: read_safetensors(path, live, digest=hasher)))
         if set(tensors) != set(layout):
             differ = sorted(set(tensors) ^ set(layout))[:5]
             raise ValueError(f"{model_dir}: the shards and {SHARD_INDEX} disagree on {differ}")

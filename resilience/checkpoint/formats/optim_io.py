@@ -1,13 +1,18 @@
-"""Optimizer state via ``torch.distributed.checkpoint`` (DCP) under ``optim/``.
+"""Optimizer state under ``optim/``: the tensors in our own safetensors files when every rank
+holds them in full (:mod:`~resilience.checkpoint.formats.optim_files`), else via
+``torch.distributed.checkpoint`` (DCP: sharded ``DTensor`` state, which it reshards).
 
-Only tensors go to DCP (see :mod:`resilience.checkpoint.storage.dcp_io`); everything else (param
-groups, Python scalars, tensor shapes and dtypes needed to pre-allocate the load targets) goes
-to ``optim/skeleton.json``.
+Everything but the tensors (param groups, Python scalars, tensor shapes and dtypes needed to
+pre-allocate the load targets, the file of each tensor) goes to ``optim/skeleton.json``. Only
+tensors go to DCP (see :mod:`resilience.checkpoint.storage.dcp_io`). Loading tells the two apart
+by the files present (DCP's ``optim/.metadata``), so checkpoints written before the optimizer
+had its own files load as they did.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +24,10 @@ try:
 except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor
 
-from resilience.checkpoint.layout import LR_SCHEDULER, OPTIM_DIR, SKELETON
+from resilience.checkpoint.formats import optim_files
+from resilience.checkpoint.layout import DCP_METADATA, LR_SCHEDULER, OPTIM_DIR, SKELETON
 from resilience.checkpoint.storage import dcp_io
+from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.dcp_io import UnsafeCheckpointError  # noqa: F401  (re-exported)
 from resilience.checkpoint.storage.durable import FileRecord
 
@@ -41,37 +48,69 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, An
     return tensors, skeleton
 
 
-def capture_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The optimizer state as (tensors for DCP, JSON skeleton); the tensors are the live ones
-    (copy them before training continues if the save is asynchronous)."""
-    return _split(get_optimizer_state_dict(model, optimizer))
+def capture_optimizer(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    world_size: int = 1,
+    gather: Callable[[Any], list[Any]] | None = None,
+    state: dict[str, Any] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The optimizer state as (tensors, JSON skeleton); the tensors are the live ones (copy them
+    before training continues if the save is asynchronous). ``state``:
+    ``get_optimizer_state_dict(model, optimizer)`` when the caller has it already. Decides where
+    they go: our own files when every rank holds them alike (:func:`optim_files.replicated`: a
+    collective through ``gather``, ``DistContext.all_gather_object``, when ``world_size > 1``),
+    else DCP; :func:`uses_dcp` tells which (the files are assigned when written)."""
+    tensors, skeleton = _split(get_optimizer_state_dict(model, optimizer) if state is None else state)
+    if optim_files.replicated(tensors, world_size, gather):
+        skeleton["storage"] = optim_files.STORAGE
+    return tensors, skeleton
 
 
-def save_optimizer(staging: Path, captured: tuple[dict[str, torch.Tensor], dict[str, Any]], *, rank: int, group: Any) -> list[str | FileRecord]:
-    """Write a :func:`capture_optimizer` state (collective over ``group``: every rank calls it).
+def uses_dcp(captured: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> bool:
+    """Whether a :func:`capture_optimizer` state is saved through DCP (a collective over every
+    rank) rather than as each rank's own file."""
+    return captured[1].get("storage") != optim_files.STORAGE
 
-    Returns what this rank wrote: records of the DCP files (digested while written) and the
+
+def save_optimizer(
+    staging: Path, captured: tuple[dict[str, torch.Tensor], dict[str, Any]], *, rank: int, world_size: int = 1, group: Any = None
+) -> list[str | FileRecord]:
+    """Write a :func:`capture_optimizer` state: this rank's file, or (DCP) its part of a
+    collective over ``group`` that every rank calls.
+
+    Returns what this rank wrote: records of the tensor files (digested while written) and the
     relative path of ``skeleton.json`` (rank 0).
     """
     tensors, skeleton = captured
-    written: list[str | FileRecord] = [rec.under(OPTIM_DIR) for rec in dcp_io.save_tensors(tensors, staging / OPTIM_DIR, rank=rank, group=group)]
+    if uses_dcp(captured):
+        written: list[str | FileRecord] = [rec.under(OPTIM_DIR) for rec in dcp_io.save_tensors(tensors, staging / OPTIM_DIR, rank=rank, group=group)]
+    else:
+        optim_files.assign(tensors, skeleton, world_size)  # the same on every rank: no collective
+        written = list(optim_files.save(staging, tensors, skeleton, rank))
     if rank == 0:
         (staging / SKELETON).write_text(json.dumps(skeleton))
         written.append(SKELETON)
     return written
 
 
-def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group: Any) -> None:
-    """Restore the optimizer state in place (collective over ``group``).
+def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group: Any, check: ContentCheck | None = None) -> None:
+    """Restore the optimizer state in place (collective over ``group`` for DCP's files).
 
-    DCP reads into the optimizer's current state tensors where they match in shape and dtype
-    (an optimizer that has stepped), else into new ones (a fresh optimizer has no state yet),
-    sharded like their parameter where it is a ``DTensor`` (DCP reshards: each rank reads its
-    own shard, whatever the saving mesh was).
+    The state is read into the optimizer's current state tensors where they match in shape and
+    dtype (an optimizer that has stepped), else into new ones (a fresh optimizer has no state
+    yet), sharded like their parameter where it is a ``DTensor`` (DCP reshards: each rank reads
+    its own shard, whatever the saving mesh was). Our own files are read whole by every rank,
+    those of ``check``'s share digested as they pass.
+
+    Raises:
+        ValueError: a state tensor missing from the files.
+        UnsafeCheckpointError: DCP's ``.metadata`` asks to unpickle anything but DCP's classes.
     """
     skeleton = json.loads((directory / SKELETON).read_text())
     current = get_optimizer_state_dict(model, optimizer)["state"]
-    params = get_model_state_dict(model)
+    params: dict[str, Any] = {}  # the model's, fetched only for a target that does not fit (~20 ms on 200 tensors)
     tensors = {}
     state: dict[str, Any] = {}
     for fqn, entries in skeleton["state"].items():
@@ -81,10 +120,15 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
                 shape, dtype = spec["shape"], getattr(torch, spec["dtype"])
                 mine = current.get(fqn, {}).get(name)
                 fits = isinstance(mine, torch.Tensor) and mine.device.type == "cpu" and list(mine.shape) == shape and mine.dtype == dtype
+                if not fits and not params:
+                    params = get_model_state_dict(model)
                 tensors[spec["tensor"]] = mine if fits else _target(params.get(fqn), shape, dtype)
             else:
                 state[fqn][name] = spec["value"]
-    dcp_io.load_tensors(tensors, directory / OPTIM_DIR, group=group)
+    if (directory / OPTIM_DIR / DCP_METADATA).is_file():
+        dcp_io.load_tensors(tensors, directory / OPTIM_DIR, group=group)
+    else:
+        optim_files.load(directory, skeleton, tensors, check)
     for fqn, entries in skeleton["state"].items():
         for name, spec in entries.items():
             if "tensor" in spec:

@@ -78,10 +78,7 @@ def file_digest(path: Path, algorithm: str = DIGEST, advance: Callable[[int], ob
         ValueError: an unknown ``algorithm``.
         OSError: the file cannot be read.
     """
-    try:
-        digest = _ALGORITHMS[algorithm]()
-    except KeyError:
-        raise ValueError(f"unknown digest algorithm {algorithm!r}; accepted: {', '.join(_ALGORITHMS)}") from None
+    digest = new_digest(algorithm)
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as fh:
@@ -90,6 +87,18 @@ def file_digest(path: Path, algorithm: str = DIGEST, advance: Callable[[int], ob
             if advance is not None:
                 advance(n)
     return digest.hexdigest()
+
+
+def new_digest(algorithm: str = DIGEST) -> Any:
+    """A fresh hash object of ``algorithm`` (``update(bytes)``, ``hexdigest()``).
+
+    Raises:
+        ValueError: an unknown ``algorithm``.
+    """
+    try:
+        return _ALGORITHMS[algorithm]()
+    except KeyError:
+        raise ValueError(f"unknown digest algorithm {algorithm!r}; accepted: {', '.join(_ALGORITHMS)}") from None
 
 
 def entry_digest(entry: dict[str, Any]) -> tuple[str, str] | None:

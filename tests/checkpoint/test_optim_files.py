@@ -1,0 +1,107 @@
+"""The optimizer state every rank holds in full, in our own files (``optim/shard-0000K-of-0000N.safetensors``):
+split over the ranks, digested as it is read, and checkpoints written with DCP still load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_checkpoint import checkpointer, make_state, save_at
+
+from resilience import ExitCode
+from resilience.checkpoint.formats import optim_files, optim_io
+from resilience.checkpoint.layout import DCP_METADATA, OPTIM_DIR, OPTIM_SHARD_GLOB, SKELETON, optim_shard_name
+from resilience.checkpoint.storage.content_check import ContentCheck
+from resilience.checkpoint.storage.manifest import read_manifest
+from runs import latest_name, run
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata's set_vital deprecation
+
+
+@pytest.fixture
+def root(tmp_path):
+    return tmp_path / "ckpt"
+
+
+def assert_same_optimizer(got: torch.optim.Optimizer, want: torch.optim.Optimizer) -> None:
+    """Bitwise the same state per parameter, and the same param groups."""
+    for p_got, p_want in zip(got.param_groups[0]["params"], want.param_groups[0]["params"]):
+        state_got, state_want = got.state[p_got], want.state[p_want]
+        assert set(state_got) == set(state_want)
+        assert all(torch.equal(state_got[k], state_want[k]) for k in state_want)
+    strip = [{k: v for k, v in group.items() if k != "params"} for group in want.param_groups]
+    assert [{k: v for k, v in group.items() if k != "params"} for group in got.param_groups] == strip
+
+
+def test_a_dcp_era_checkpoint_still_loads_exactly_into_a_fresh_optimizer(root, monkeypatch):
+    saved_state = make_state(seed=1, train_steps=3)
+    with monkeypatch.context() as patch:
+        patch.setattr(optim_files, "replicated", lambda *args, **kwargs: False)  # the optimizer's writer before its own files
+        save_at(checkpointer(root, saved_state), 3)
+    saved = root / "epoch_0_step_3"
+    assert (saved / OPTIM_DIR / DCP_METADATA).is_file() and not list((saved / OPTIM_DIR).glob(OPTIM_SHARD_GLOB))
+    assert "storage" not in json.loads((saved / SKELETON).read_text()), "the skeleton of the DCP era"
+
+    fresh = make_state(seed=2, train_steps=0)  # no optimizer state yet: built from the skeleton
+    assert checkpointer(root, fresh).restore().directory == saved
+    assert_same_optimizer(fresh.optimizer, saved_state.optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), saved_state.model.parameters()))
+
+
+def test_a_new_checkpoint_holds_the_optimizer_in_its_own_file_and_resumes_a_fresh_optimizer_exactly(root):
+    saved_state = make_state(seed=1, train_steps=3)
+    save_at(checkpointer(root, saved_state), 3)
+    saved = root / "epoch_0_step_3"
+    assert not (saved / OPTIM_DIR / DCP_METADATA).exists()
+    skeleton = json.loads((saved / SKELETON).read_text())
+    assert skeleton["storage"] == "safetensors" and skeleton["files"] == [optim_shard_name(1, 1)]
+
+    fresh = make_state(seed=2, train_steps=0)
+    checkpointer(root, fresh).restore()
+    assert_same_optimizer(fresh.optimizer, saved_state.optimizer)
+
+
+def test_a_flipped_byte_in_an_optim_file_is_caught_while_the_loader_reads_it(root):
+    save_at(checkpointer(root, make_state(seed=1, train_steps=2)), 2)
+    saved = root / "epoch_0_step_2"
+    rel = f"{OPTIM_DIR}/{optim_shard_name(1, 1)}"
+    data = bytearray((saved / rel).read_bytes())
+    data[-5] ^= 0xFF  # inside the tensor data: same size, the file still parses
+    (saved / rel).write_bytes(bytes(data))
+
+    files = read_manifest(saved)["files"]
+    check = ContentCheck(saved, files, sorted(files), inline=[rel])  # the thread leaves rel until finish()
+    check.start()
+    fresh = make_state(seed=2, train_steps=0)
+    try:
+        optim_io.load_optimizer(saved, fresh.model, fresh.optimizer, group=None, check=check)
+        assert check.problem is not None and rel in check.problem and "checksum mismatch" in check.problem, (
+            "found as the bytes passed through the loader, before any second read"
+        )
+    finally:
+        check.finish()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_each_rank_of_a_ddp_run_writes_about_half_of_the_optimizer_bytes(tmp_path):
+    done = run(tmp_path, 2, overrides=["step_scheduler.max_steps=3", "step_scheduler.ckpt_every_steps=3"])
+    assert done.codes == [ExitCode.DONE] * 2
+    saved = tmp_path / latest_name(tmp_path)
+    skeleton = json.loads((saved / SKELETON).read_text())
+    names = [optim_shard_name(1, 2), optim_shard_name(2, 2)]
+    assert skeleton["files"] == names and not (saved / OPTIM_DIR / DCP_METADATA).exists()
+    specs = {spec["tensor"]: spec for entries in skeleton["state"].values() for spec in entries.values() if "tensor" in spec}
+    stored: dict[str, int] = {}
+    for name in names:
+        with safe_open(str(saved / OPTIM_DIR / name), framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                assert key not in stored, f"{key} written twice"
+                assert specs[key]["file"] == name
+                stored[key] = fh.get_tensor(key).numel() * 4
+    assert set(stored) == set(specs), "every tensor written once"
+    share = [sum(n for key, n in stored.items() if specs[key]["file"] == name) for name in names]
+    assert abs(share[0] - share[1]) <= max(stored.values()), f"each rank writes about half: {share}"
+    assert set(read_manifest(saved)["files"]) >= {f"{OPTIM_DIR}/{name}" for name in names}
