@@ -13,7 +13,8 @@ What is measured, from the wall clock of this process and the rows rank 0 append
 ``training.jsonl`` (one per step, each seen here within ~10 ms of being written):
 
 * ``goodput_fraction`` = useful training time / wall time, where useful = distinct steps trained
-  x the median step time (gaps between consecutive rows of one start: no start, no save), and
+  x the step time (each start's first row to its last, over the steps between them, pooled: no
+  start, no exit, but the example's periodic saves in it), and
   wall = first start to the last exit;
 * per preemption: ``signal_to_exit_s`` (signal to the launcher's exit), ``restart_to_first_step_s``
   (the next start to its first row: process start, imports, rendezvous, choosing and loading the
@@ -209,17 +210,25 @@ def _tail(path: Path, lines: int = 30) -> str:
 def _calibrated_max_steps(first: dict[str, Any], period_s: float, preemptions: int) -> int:
     """The step count that leaves ``preemptions - 1`` more preemptions and half a period to finish."""
     rows = first["rows"]
-    step_s = median([b[1] - a[1] for a, b in zip(rows, rows[1:])]) or 0.01
+    step_s = _step_s([first]) or 0.01
     start_s = rows[0][1] - first["launched"] if rows else period_s / 2
     per_start = max(period_s - start_s, 0.25 * period_s)
     last = rows[-1][0] if rows else first["stop_checkpoint_step"]
     return last + max(2, math.ceil((preemptions - 0.5) * per_start / step_s))
 
 
+def _step_s(segments: list[dict[str, Any]]) -> float:
+    """Seconds per step while training: every start's time from its first row to its last over
+    the steps between them, pooled. Not the median gap between rows: rows are seen here in polls
+    ~10 ms apart, so with a shorter step most gaps are 0 or one poll, never the step time."""
+    spans = [(seg["rows"][-1][1] - seg["rows"][0][1], seg["rows"][-1][0] - seg["rows"][0][0]) for seg in segments if len(seg["rows"]) > 1]
+    steps = sum(n for _, n in spans)
+    return sum(t for t, _ in spans) / steps if steps else 0.0
+
+
 def summarise(segments: list[dict[str, Any]], period_s: float) -> dict[str, Any]:
     """The case's figures from its starts' timelines (see the module doc)."""
-    gaps = [b[1] - a[1] for seg in segments for a, b in zip(seg["rows"], seg["rows"][1:])]
-    step_s = median(gaps) or 0.0
+    step_s = _step_s(segments)
     first_seen: dict[int, float] = {}
     for seg in segments:
         for step, at in seg["rows"]:

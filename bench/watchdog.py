@@ -38,7 +38,9 @@ FAULTS = "hang@8,kill@17,stop@26"
 KILL_LIMIT_S = 1.0
 SLACK_S = 1.0
 _DETECTED = {
-    "hang": r"watchdog: rank {rank} \(pid \d+\) made no progress for ([\d.]+) s",
+    # any rank: the hung rank's peers wait for it in a collective, as silent as it is, and the
+    # launcher names the one silent longest (the stacks it prints show which one hangs)
+    "hang": r"watchdog: rank \d+ \(pid \d+\) made no progress for ([\d.]+) s",
     "kill": r"rank {rank} exited with signal SIGKILL",
     "stop": r"watchdog: rank {rank} \(pid \d+\) made no progress for ([\d.]+) s.*is stopped",
 }

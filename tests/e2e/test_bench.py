@@ -101,6 +101,16 @@ def test_goodput_counts_steps_logged_past_the_resume_point_as_redone_and_their_t
     assert got["steps"] == 20 and got["useful_s"] == pytest.approx(2.0) and got["goodput_fraction"] == pytest.approx(2.0 / 7.5)
 
 
+def test_goodput_step_time_holds_when_rows_are_seen_in_bursts_of_one_poll():
+    # 1/30 s steps seen by a 0.1 s poll: three rows per poll, so two gaps in three are 0 (their
+    # median too); the span of the start over its steps is the step time
+    steps = list(range(3, 25))
+    start = _start(0.0, steps, 1 / 30, 1.0, None, 2.5, 2)
+    start["rows"] = [(s, 1.0 + 0.1 * (s // 3)) for s in steps]
+    got = summarise([start], period_s=3.0)
+    assert got["step_s"] == pytest.approx(1 / 30) and got["useful_s"] == pytest.approx(len(steps) / 30)
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(480)
 def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp_path):
