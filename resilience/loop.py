@@ -195,6 +195,9 @@ class ResilientLoop:
                             log.warning("rank %d: the save in flight failed too: %s", self.ctx.rank, exc)
                     else:
                         self.checkpointer.close()
+                    # "done" before the handlers go: the launcher sends no stop signal to a rank
+                    # whose loop is over (it would kill the program's work after training)
+                    self.progress.close()
         finally:
             self.progress.close()
             self.ctx.close()  # our gloo group (the agreement drained its last collective on exit)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ from types import TracebackType
 
 from resilience.exit_codes import ExitCode
 from resilience.launch.exit_status import combine_exit_codes, describe_code
+from resilience.progress import progress_file
 from resilience.stop.handshake import ready_marker, request_stop, stop_taken_marker
 
 #: Seconds between two looks at the ranks while waiting (also the signal-forwarding latency
@@ -157,6 +159,14 @@ class RankGroup:
                 self._held_ever.setdefault(local, set()).add(sig)
         ready = [local for local in live if self.is_ready(local, sig)]
         held = [local for local in live if local not in ready]
+        finished = [local for local in ready if self.loop_ended(local)]
+        if finished:
+            self._log(
+                f"ranks {[self.ranks[local] for local in finished]} have finished their training loop: "
+                f"{signal.Signals(sig).name} not sent to them (nothing is left to stop, and it would end "
+                "the work they do after it)"
+            )
+            ready = [local for local in ready if local not in finished]
         for local in held:
             self._held.setdefault(local, []).append(sig)
             self._held_ever.setdefault(local, set()).add(sig)
@@ -170,6 +180,19 @@ class RankGroup:
                 )
             sent += self.send_signal(stop_sig, [local])
         return sent, held
+
+    def loop_ended(self, local: int) -> bool:
+        """True when local rank ``local`` reported ``done`` (:mod:`resilience.progress`): its
+        ``resilient_loop`` is over and has put back the signal handlers it found, so a stop signal
+        there would only kill what the program does after training (an evaluation, an export),
+        turning a finished job into a failed one. False without a readable record."""
+        if self.ready_dir is None:
+            return False
+        try:
+            with open(progress_file(self.ready_dir, self.ranks[local]), "rb") as fh:
+                return json.loads(fh.read()).get("phase") == "done"
+        except (OSError, ValueError, AttributeError):
+            return False
 
     def _stop_signal_for(self, local: int, sig: int) -> int:
         """The stop signal to send a ready rank for ``sig``: ``sig`` itself, unless the rank does

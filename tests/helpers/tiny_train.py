@@ -98,6 +98,11 @@ try:
     if loop.resumed_from is not None and not announced:  # resumed at the last step: no step left to run
         print(f"rank {rank}: resumed from {loop.resumed_from.name}", flush=True)
     print(f"rank {rank}: exit {int(loop.exit_code)}", flush=True)
+    if os.environ.get("AFTER_LOOP_DIR"):  # work after training (an evaluation): a stop signal must not end it
+        after = Path(os.environ["AFTER_LOOP_DIR"])
+        (after / f"started_{rank}").touch()
+        time.sleep(float(os.environ.get("AFTER_LOOP_S", "2")))
+        (after / f"finished_{rank}").touch()
 finally:
     # Free the DDP module, then destroy the group: either left alive at interpreter exit (after
     # an exception too) can abort the process with SIGABRT (torch 2.13 + gloo).

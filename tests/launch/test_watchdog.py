@@ -186,3 +186,29 @@ def test_two_nodes_without_restarts_a_kill_on_one_node_ends_both_launchers_with_
     assert (code0, code1) == (0, 0), log0
     assert "rank 0: resumed from epoch_0_step_10" in log0
     assert_bitwise_equal(final_weights(ckpt), uninterrupted)
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_signal_after_the_training_loop_ended_is_not_sent_and_the_job_ends_done(tmp_path):
+    """SIGUSR1 reaches the launcher while both ranks work after their finished loop (the loop has
+    put the default handlers back, so the signal would kill them: exit 138, a finished job counted
+    as failed): the launcher sends it to no rank, their work completes, and the job exits 0."""
+    ckpt, after = tmp_path / "ck", tmp_path / "after"
+    after.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "", "AFTER_LOOP_DIR": str(after), "AFTER_LOOP_S": "3"}
+    cmd = [sys.executable, "-m", "resilience", "run", "-n", "2", str(TINY), str(ckpt), EVERY_5]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((after / f"started_{rank}").exists() for rank in (0, 1)) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == ExitCode.DONE, out
+    assert "have finished their training loop: SIGUSR1 not sent to them" in out, out
+    assert all((after / f"finished_{rank}").exists() for rank in (0, 1)), out
