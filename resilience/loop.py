@@ -379,8 +379,11 @@ def resilient_loop(
     destroyed (see :mod:`resilience.teardown`): scripts need no teardown lines of their own.
 
     Raises:
-        ConfigError: invalid configuration (before any training).
-        CheckpointNotFound: ``checkpoint.restore_from`` is missing or invalid (at iteration start).
+        ConfigError: invalid configuration (before any training), including a
+            ``checkpoint.restore_from`` or ``checkpoint.load_path`` that names no existing path
+            (``load_path`` only while ``checkpoint_dir`` has no ``LATEST``).
+        CheckpointNotFound: ``checkpoint.restore_from`` or ``load_path`` exists but holds no valid
+            checkpoint (at iteration start).
         CheckpointCorrupted: every checkpoint to resume from was corrupt and one was partly
             loaded (at iteration start); run again to start from scratch.
         CheckpointSaveError: a save failed on any rank (raised on every rank).

@@ -115,20 +115,22 @@ class Checkpointer(Resuming):
         probe file in it when saving), then broadcasts what it found, so no rank goes on to wait
         in a collective for a peer that raised. (A URL never gets here: the configuration refuses it.)
 
-        The same broadcast carries the strict world-size check (:mod:`resilience.checkpoint.policy.world_size`).
+        The same broadcast carries the strict world-size check (:mod:`resilience.checkpoint.policy.world_size`)
+        and a ``restore_from``/``load_path`` that names no existing path (:meth:`missing_source`).
 
         Raises:
             ConfigError: naming ``checkpoint.checkpoint_dir``: it (or a parent) is not a directory,
                 or, when saving, it cannot be created or written; naming
                 ``checkpoint.world_size_change``: the checkpoint to resume was saved under another
-                world size and the setting is ``strict``.
+                world size and the setting is ``strict``; naming ``checkpoint.restore_from`` or
+                ``checkpoint.load_path``: it names no existing path.
         """
         if not self.config.enabled:
             return
         problem = resized = None
         if self.ctx.rank == 0:
             problem = _root_problem(self.root, saving=self.config.enable_save)
-            resized = None if problem else world_size_problem(self.config, self.root, self.ctx.world_size)
+            resized = None if problem else (self.missing_source() or world_size_problem(self.config, self.root, self.ctx.world_size))
         if self.ctx.distributed:
             problem, resized = self.ctx.broadcast_object((problem, resized))
         if problem:

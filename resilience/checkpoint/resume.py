@@ -12,10 +12,11 @@ iterator exists (creating it draws from the global RNG, as it did before the sav
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.layout import MANIFEST, parse_checkpoint_name
+from resilience.checkpoint.layout import LATEST, MANIFEST, parse_checkpoint_name
 from resilience.checkpoint.loading import Restored, inline_files, load_state
 from resilience.checkpoint.policy.lineage import parent_ref
 from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, find_resume_point, load_verified
@@ -38,6 +39,24 @@ class Resuming:
     run_config: dict[str, Any]
     global_batch_size: int | None
     _chosen_manifest: tuple[Path | None, dict[str, Any] | None]
+
+    def missing_source(self) -> str | None:
+        """Why ``restore_from`` or ``load_path`` cannot be loaded because it names no existing path,
+        or ``None``; the loop raises it as a ``ConfigError`` at ``resilient_loop()``, before any
+        training (exit 2), not at the first step. ``load_path`` counts only while
+        ``checkpoint_dir`` has no ``LATEST`` of its own (a requeued run never reads it again). A path
+        that exists but holds no valid checkpoint is found by :meth:`restore` (``CheckpointNotFound``)."""
+        cfg = self.config
+        if cfg.restore_from is not None:
+            path = Path(cfg.restore_from)
+            if not path.exists() and (path.is_absolute() or not (self.root / path).exists()):
+                return (
+                    f"checkpoint.restore_from={cfg.restore_from!r}: no such checkpoint directory; accepted: an existing "
+                    f"checkpoint directory, absolute or a name under checkpoint.checkpoint_dir ({str(self.root)!r})"
+                )
+        if cfg.load_path is not None and not Path(cfg.load_path).exists() and not os.path.lexists(self.root / LATEST):
+            return f"checkpoint.load_path={cfg.load_path!r}: no such directory; accepted: a checkpoint directory or a root holding LATEST"
+        return None
 
     def restore(self) -> Restored | None:
         """Find the checkpoint to resume from and load it into the registered state (:meth:`find_resume_point`

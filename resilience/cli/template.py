@@ -10,7 +10,7 @@ from pathlib import Path
 
 from resilience.config import ConfigError, load_config
 from resilience.exit_codes import ExitCode
-from resilience.slurm.render import render_slurm
+from resilience.slurm.render import CONFIG_PLACEHOLDER, render_slurm
 
 HELP = "print a Slurm batch script rendered from a training YAML (resilience template slurm CONFIG.yaml)"
 #: Options and positionals may come in any order (``template slurm x.yaml -o f key=val``).
@@ -60,6 +60,13 @@ def run(args: argparse.Namespace) -> int:
                 f"slurm.nproc_per_node: {config.slurm.nproc_per_node}). Set them, e.g. script_args: [--config, {args.config}]",
                 file=sys.stderr,
             )
+        elif args.config is not None and not _passes_config(config.slurm.script_args, args.config):
+            print(
+                f"resilience template: slurm.script_args {config.slurm.script_args} does not pass {args.config} "
+                f"to the training, so its checkpoint: and step_scheduler: settings (checkpoint_dir, "
+                f'preemption_signal, ...) will not reach it; add e.g. script_args: [--config, "{CONFIG_PLACEHOLDER}"]',
+                file=sys.stderr,
+            )
     except ConfigError as error:
         print(f"resilience template: {error}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
@@ -73,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _passes_config(script_args: Sequence[str], path: str) -> bool:
+    """Whether the ranks' arguments name the YAML: ``{config}``, or the path as given."""
+    return any(CONFIG_PLACEHOLDER in str(arg) or str(arg) == path or str(arg).endswith("=" + path) for arg in script_args)
 
 
 def _has_slurm_section(path: str) -> bool:

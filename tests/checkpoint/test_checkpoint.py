@@ -31,7 +31,7 @@ from resilience.checkpoint.layout import BAD_MARKER, LATEST, MANIFEST, OPTIM_DIR
 from resilience.checkpoint.storage.durable import DIGEST, file_digest
 from resilience.checkpoint.storage.manifest import validate
 from resilience.checkpoint.storage.pointers import read_pointer, write_pointer
-from resilience.config import CheckpointConfig
+from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler
 
@@ -473,11 +473,11 @@ def test_latest_pointing_outside_checkpoint_dir_is_refused(root, tmp_path, caplo
 
 
 @pytest.mark.parametrize("form", ["name", "absolute"])
-def test_restore_from_missing_checkpoint_raises_not_found(root, form):
+def test_restore_from_missing_checkpoint_is_a_config_error_before_training(root, form):
     save_steps(root, 2)
     target = "epoch_0_step_8" if form == "name" else str(root / "epoch_0_step_8")
-    with pytest.raises(CheckpointNotFound, match="restore_from.*epoch_0_step_8"):
-        checkpointer(root, restore_from=target).find_resume_point()
+    with pytest.raises(ConfigError, match="checkpoint.restore_from=.*epoch_0_step_8.*no such checkpoint directory"):
+        checkpointer(root, restore_from=target)  # at construction, i.e. at resilient_loop()
 
 
 def test_restore_from_invalid_checkpoint_raises_not_found_without_fallback(root):

@@ -395,7 +395,14 @@ def test_a_config_without_a_slurm_section_renders_defaults_with_a_warning(tmp_pa
     with_section = tmp_path / "with.yaml"
     with_section.write_text("slurm:\n  script: train.py\n")
     assert cli.main(["template", "slurm", str(with_section)]) == 0
-    assert "no slurm: section" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no slurm: section" not in err
+    # ... but its script_args do not pass the YAML: the training would never read it
+    assert f"does not pass {with_section} to the training" in err and 'script_args: [--config, "{config}"]' in err
+    passing = tmp_path / "passing.yaml"
+    passing.write_text('slurm:\n  script: train.py\n  script_args: [--config, "{config}"]\n')
+    assert cli.main(["template", "slurm", str(passing)]) == 0
+    assert "does not pass" not in capsys.readouterr().err
 
 
 def test_in_job_restarts_and_the_progress_timeout_reach_resilience_run() -> None:

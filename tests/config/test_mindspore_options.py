@@ -239,8 +239,14 @@ def test_load_path_names_a_checkpoint_or_a_root(tmp_path):
     train(ms(tmp_path / "a", load_path=str(src / "epoch_0_step_2"), max_steps=3), on_step=lambda s, m, o: steps.append(s.global_step))
     train(ms(tmp_path / "b", load_path=str(src), max_steps=5), on_step=lambda s, m, o: steps.append(s.global_step))
     assert steps == [3, 5]  # a full resume from step 2, then from the root's LATEST (step 4)
+    with pytest.raises(ConfigError, match="checkpoint.load_path='.*missing': no such directory"):  # at resilient_loop(), before training
+        train(ms(tmp_path / "c", load_path=str(tmp_path / "missing")), on_step=lambda *_: pytest.fail("trained"))
+    with pytest.raises(ConfigError, match="checkpoint.restore_from='epoch_0_step_9': no such checkpoint directory"):
+        train(ms(tmp_path / "c", restore_from="epoch_0_step_9"), on_step=lambda *_: pytest.fail("trained"))
+    (tmp_path / "empty").mkdir()  # exists but holds no checkpoint: found when the resume looks
     with pytest.raises(CheckpointNotFound, match="checkpoint.load_path"):
-        train(ms(tmp_path / "c", load_path=str(tmp_path / "missing")))
+        train(ms(tmp_path / "c", load_path=str(tmp_path / "empty")))
+    train(ms(tmp_path / "a", load_path=str(tmp_path / "missing"), max_steps=4))  # "a" has its own LATEST: load_path is not read
 
 
 # -- global batch size rescale ---------------------------------------------------------------------
