@@ -195,8 +195,8 @@ def test_a_stop_signal_after_the_training_loop_ended_is_not_sent_and_the_job_end
     as failed): the launcher sends it to no rank, their work completes, and the job exits 0."""
     ckpt, after = tmp_path / "ck", tmp_path / "after"
     after.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "", "AFTER_LOOP_DIR": str(after), "AFTER_LOOP_S": "3"}
-    cmd = [sys.executable, "-m", "resilience", "run", "-n", "2", str(TINY), str(ckpt), EVERY_5]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "", "AFTER_LOOP_DIR": str(after), "AFTER_LOOP_S": "1.5"}
+    cmd = [sys.executable, "-m", "resilience", "run", "-n", "2", str(TINY), str(ckpt), EVERY_5, "step_scheduler.max_steps=10"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
