@@ -22,6 +22,7 @@ Without the variable (no ``resilience run``) nothing is written and no signal is
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import os
@@ -164,3 +165,24 @@ def register_stack_dump() -> bool:
     except (ValueError, RuntimeError, OSError, AttributeError):
         return False
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """One rank's progress record (what :class:`ProgressReporter` writes); ``t`` is ``time.monotonic()``."""
+
+    phase: str
+    step: int
+    t: float
+    max_step_s: float
+    max_save_s: float
+
+
+def read_report(path: str) -> Report | None:
+    """The record at ``path`` (read by ``resilience run``'s watchdog and launcher); ``None`` when there is none or it cannot be parsed (half written)."""
+    try:
+        with open(path, "rb") as fh:
+            doc = json.loads(fh.read(RECORD_BYTES))
+        return Report(str(doc["phase"]), int(doc["step"]), float(doc["t"]), float(doc["max_step_s"]), float(doc["max_save_s"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

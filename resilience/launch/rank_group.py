@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -14,7 +13,7 @@ from types import TracebackType
 
 from resilience.exit_codes import ExitCode
 from resilience.launch.exit_status import combine_exit_codes, describe_code
-from resilience.progress import progress_file
+from resilience.progress import progress_file, read_report
 from resilience.stop.handshake import ready_marker, request_stop, stop_taken_marker
 
 #: Seconds between two looks at the ranks while waiting (also the signal-forwarding latency
@@ -188,11 +187,8 @@ class RankGroup:
         turning a finished job into a failed one. False without a readable record."""
         if self.ready_dir is None:
             return False
-        try:
-            with open(progress_file(self.ready_dir, self.ranks[local]), "rb") as fh:
-                return json.loads(fh.read()).get("phase") == "done"
-        except (OSError, ValueError, AttributeError):
-            return False
+        report = read_report(progress_file(self.ready_dir, self.ranks[local]))
+        return report is not None and report.phase == "done"
 
     def _stop_signal_for(self, local: int, sig: int) -> int:
         """The stop signal to send a ready rank for ``sig``: ``sig`` itself, unless the rank does

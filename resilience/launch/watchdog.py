@@ -24,12 +24,11 @@ whose peer is gone reports nothing either, so both end as a stall.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 
 from resilience.launch.rank_group import RankGroup
-from resilience.progress import RECORD_BYTES, progress_file
+from resilience.progress import Report, progress_file, read_report
 
 AUTO = "auto"
 AUTO_FACTOR = 5.0
@@ -39,27 +38,6 @@ SAVE_FLOOR_S = 120.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 CHECK_INTERVAL_S = 0.25
 """Seconds between two reads of the records (the detection latency beyond the limit)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """One rank's progress record (see :mod:`resilience.progress`); ``t`` is ``time.monotonic()``."""
-
-    phase: str
-    step: int
-    t: float
-    max_step_s: float
-    max_save_s: float
-
-
-def read_report(path: str) -> Report | None:
-    """The record at ``path``; ``None`` when there is none or it cannot be parsed (half written)."""
-    try:
-        with open(path, "rb") as fh:
-            doc = json.loads(fh.read(RECORD_BYTES))
-        return Report(str(doc["phase"]), int(doc["step"]), float(doc["t"]), float(doc["max_step_s"]), float(doc["max_save_s"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
