@@ -187,12 +187,26 @@ class SlurmCluster:
     def job_info(self, job_id: str | int) -> dict[str, str]:
         """``scontrol show job -o JOB`` as a dict (``JobState``, ``Restarts``, ``ExitCode``, ...).
 
-        Returns {} when Slurm no longer knows the job (gone after MinJobAge=60 s).
+        slurmctld forgets a job MinJobAge=60 s after it ends; then the job's last record in the
+        job completion log (log/jobcomp.txt, same ``Key=Value`` form, fewer keys: no
+        ``Restarts``) stands in, so a caller that polls late still sees how the job ended.
+        Returns {} when neither knows the job.
         """
         proc = self.run(["scontrol", "show", "job", "-o", str(job_id)], check=False)
-        if proc.returncode != 0 or not proc.stdout.strip():
+        if proc.returncode == 0 and proc.stdout.strip():
+            return parse_scontrol_record(proc.stdout.splitlines()[0])
+        return self.completion_record(job_id)
+
+    def completion_record(self, job_id: str | int) -> dict[str, str]:
+        """The job's last line in log/jobcomp.txt (written as each run of it ends) as a dict; {}
+        when there is none."""
+        try:
+            lines = (self.dir / "log" / "jobcomp.txt").read_text().splitlines()
+        except FileNotFoundError:
             return {}
-        return parse_scontrol_record(proc.stdout.splitlines()[0])
+        prefix = f"JobId={job_id} "
+        ended = [line for line in lines if line.startswith(prefix)]
+        return parse_scontrol_record(ended[-1]) if ended else {}
 
     def wait_state(
         self,
