@@ -365,7 +365,8 @@ def resilient_loop(
         config: a :class:`ResilienceConfig`, plain data in the YAML layout, or ``None`` (defaults).
         model: the module being trained (plain, DDP, or sharded: FSDP2, tensor parallel, 2-D
             meshes); saved as safetensors, each rank writing its own shards.
-        optimizer: saved via DCP (optional).
+        optimizer: optional; saved as safetensors files when every rank holds its state in full
+            (plain, DDP), else via DCP (sharded state, resharded on resume).
         lr_scheduler: anything with a JSON-able ``state_dict()`` (optional).
         dataloader: iterable of batches; a ``StatefulDataLoader`` or any loader whose sampler
             has ``set_epoch`` (``DistributedSampler``) resumes mid-epoch exactly.

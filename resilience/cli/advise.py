@@ -218,8 +218,8 @@ def _parse_advise(args: argparse.Namespace) -> tuple[Path, float, int | str | No
         safety = float(args.safety)
     except ValueError:
         safety = float("nan")
-    if not math.isfinite(safety) or safety <= 0:
-        raise UsageError(f"--safety: expected a number > 0, e.g. 1.5, got {args.safety!r}")
+    if not math.isfinite(safety) or safety < 1:  # as step_scheduler.deadline_safety: below 1 the stop would not fit
+        raise UsageError(f"--safety: expected a number >= 1 (as step_scheduler.deadline_safety), e.g. 1.5, got {args.safety!r}")
     if args.agreement_every_steps in (None, "auto"):
         return existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR"), safety, args.agreement_every_steps
     try:

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.layout import LATEST, LOWEST_VAL, POINTER_SUFFIX, pointer_text_name
+from resilience.checkpoint.layout import LATEST, LOWEST_VAL, MANIFEST, POINTER_SUFFIX, pointer_text_name
 from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, saved_section, within
 from resilience.cli.status_text import format_status
 from resilience.exit_codes import ExitCode
@@ -323,9 +323,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the status of ``args.checkpoint_dir``; 0, or 2 when it is not a directory."""
+    """Print the status of ``args.checkpoint_dir``; 0, or 2 when it is not a directory or is one
+    checkpoint (it holds ``manifest.json``) rather than the root that holds them."""
     try:
         root = existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR")
+        if (root / MANIFEST).is_file():
+            raise UsageError(
+                f"{root} is one checkpoint, not a checkpoint root: run 'resilience status {root.parent}' for the table, "
+                f"or 'resilience verify {root}' to check this checkpoint"
+            )
     except UsageError as exc:
         print(f"resilience status: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)

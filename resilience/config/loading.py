@@ -58,8 +58,11 @@ def config_from_dict(data: Mapping[str, Any] | None) -> ResilienceConfig:
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply dotted ``section.key=value`` overrides (values parsed as YAML) to ``data`` in place.
 
+    An empty value (``key=``) is refused rather than read as null: for ``preemption_signal``, null
+    turns signal handling off, which a forgotten value must not do silently. Write ``key=null``.
+
     Raises:
-        ConfigError: an override without ``=`` or with an empty key.
+        ConfigError: an override without ``=``, with an empty key, or with an empty value.
     """
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -75,7 +78,9 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+        if not text.strip():
+            raise ConfigError(f"override {item!r}: empty value; write {key}=null for null, or {key}=VALUE")
+        node[parts[-1]] = yaml.safe_load(text)
     return data
 
 

@@ -249,8 +249,11 @@ class RankGroup:
                 local, code = self.first_failure = failed[0]
                 # 75/76/77 are orderly stops (the others normally follow within moments); the
                 # grace and then SIGTERM still apply, so a peer stuck in a collective cannot hang us.
-                what = "stopped with" if code in _ORDERLY_STOPS else "exited with"
-                self._log(f"rank {self.ranks[local]} {what} {describe_code(code)}; waiting up to {self.failure_grace_s:g} s for the other ranks")
+                if code in _ORDERLY_STOPS:
+                    then = f"the other ranks normally follow (SIGTERM to any still running in {self.failure_grace_s:g} s)"
+                    self._log(f"rank {self.ranks[local]} stopped with {describe_code(code)}; {then}")
+                else:
+                    self._log(f"rank {self.ranks[local]} exited with {describe_code(code)}; waiting up to {self.failure_grace_s:g} s for the other ranks")
         elif self._term_sent_at is None:
             if now - self._failed_at >= self.failure_grace_s:
                 if self.before_term is not None:

@@ -263,6 +263,13 @@ def test_status_of_an_empty_root_says_fresh_start(tmp_path, capsys):
     assert "Resume would pick: fresh start" in out and "no checkpoints under" in out
 
 
+def test_status_of_one_checkpoint_says_to_pass_its_root(damaged, capsys):
+    one = next(p for p in sorted(damaged.iterdir()) if (p / "manifest.json").is_file())
+    code, out, err = run_cli(capsys, "status", str(one))
+    assert code == 2 and out == ""
+    assert "is one checkpoint, not a checkpoint root" in err and f"resilience status {damaged}" in err
+
+
 def test_status_of_a_missing_directory_is_a_usage_error(tmp_path, capsys):
     code, out, err = run_cli(capsys, "status", str(tmp_path / "nope"))
     assert code == 2 and out == ""
@@ -402,6 +409,7 @@ def test_advise_without_timings_exits_1_saying_why(tmp_path, capsys):
     "argv, names",
     [
         (["--safety", "0"], "--safety"),
+        (["--safety", "0.5"], "--safety"),
         (["--safety", "x"], "--safety"),
         (["--agreement-every-steps", "0"], "--agreement-every-steps"),
         ([], "CHECKPOINT_DIR"),

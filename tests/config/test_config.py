@@ -105,8 +105,11 @@ def test_dotted_overrides_replace_file_values_and_parse_as_yaml(tmp_path):
     assert cfg.extra == {"model": {"width": 16}, "data": {"batch_size": 4}}
 
 
-def test_override_with_empty_value_means_null():
-    data = apply_overrides({}, ["step_scheduler.preemption_signal="])
+def test_override_with_empty_value_is_refused_and_null_is_spelled_out():
+    # An empty value read as null would turn signal handling off without a word.
+    with pytest.raises(ConfigError, match=r"step_scheduler.preemption_signal=null"):
+        apply_overrides({}, ["step_scheduler.preemption_signal="])
+    data = apply_overrides({}, ["step_scheduler.preemption_signal=null"])
     assert data == {"step_scheduler": {"preemption_signal": None}}
     assert config_from_dict(data).step_scheduler.signals == ()
 
