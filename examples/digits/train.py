@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
+import importlib.util
 import math
 import os
 import random
@@ -22,7 +24,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -32,10 +33,22 @@ from resilience import ConfigError, ExitCode, load_config, resilient_loop
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
 
 
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits as ``sklearn.datasets.load_digits()`` returns them: pixels
+    ``(1797, 64)`` float64 in 0..16 and labels ``(1797,)`` int, read from the same file the same
+    way. Importing ``sklearn.datasets`` pulls in scipy, about a second of every restart here."""
+    spec = importlib.util.find_spec("sklearn")  # locates the package without importing it
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("the digits example needs scikit-learn for its data: pip install scikit-learn")
+    with gzip.open(Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz", "rt", encoding="utf-8") as f:
+        table = np.loadtxt(f, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(int)
+
+
 def build_data(seed: int, test_fraction: float) -> tuple[TensorDataset, TensorDataset]:
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.int64)
+    pixels, labels = load_digits()
+    x = torch.tensor(pixels, dtype=torch.float32) / 16.0
+    y = torch.tensor(labels, dtype=torch.int64)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     n_test = int(len(x) * test_fraction)
     test, train = order[:n_test], order[n_test:]

@@ -34,3 +34,18 @@ def test_llm_demo_preempts_one_fsdp2_rank_resumes_reports_identical_and_generate
     assert "weights equal to the trained ones: yes" in out
     assert "model/consolidated (written by the final save (checkpoint.save_consolidated))" in out
     assert re.search(r"greedy continuation of 'import os\\n': 'import os\\n.+'", out), out
+
+
+def test_the_digits_examples_own_reader_returns_exactly_what_sklearn_load_digits_does():
+    # The example reads scikit-learn's file itself (no scipy import on every restart); the data
+    # must stay bit for bit what load_digits() gives, or the demo would train on something else.
+    import numpy as np
+    from sklearn.datasets import load_digits as sklearn_load_digits
+
+    from train import load_digits
+
+    pixels, labels = load_digits()
+    reference = sklearn_load_digits()
+    assert pixels.dtype == reference.data.dtype and pixels.shape == (1797, 64)
+    assert np.array_equal(pixels, reference.data) and np.array_equal(labels, reference.target)
+    assert labels.dtype == reference.target.dtype
