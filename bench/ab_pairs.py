@@ -1,8 +1,10 @@
-"""Interleaved A/B pairs of timed step blocks on a bench rank (:mod:`bench.ddp_worker`): the
-default stop agreement, and the watchdog's progress reports, each against the bare step."""
+"""Interleaved blocks of timed steps on a bench rank (:mod:`bench.ddp_worker`): the default stop
+agreement, and the watchdog's progress reports, each against a no-op call in the same harness
+(the A/A control) and the bare step."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -21,18 +23,19 @@ AUTO_INTERVAL_S = 0.1  # step_scheduler.agreement_interval_s's default
 def ab_phase(
     run: DigitsRun, rank: int, counter: list[int], pairs: int, steps: int, warmup: int, make_agreement, *, max_s: float = 0.0, half_width: float = 0.004
 ) -> list[dict[str, float]]:
-    """At least ``pairs`` pairs of timed blocks of ``steps`` steps, without (``none``) and with the
-    default agreement (``ours_auto``), in ABBA order so a linear drift cancels within two pairs.
+    """At least ``pairs`` rows of timed blocks of ``steps`` steps: without the agreement
+    (``none``), with a no-op call (``noop``) and with the default agreement (``ours_auto``), in
+    the rotating orders of :func:`interleaved_pairs`.
 
-    With ``max_s`` > 0 it goes on, 10 pairs at a time, until the normal-approximation 95 %
-    half-width of the per-pair overhead is at most ``half_width`` or ``max_s`` seconds have
-    passed (rank 0 decides and broadcasts, between blocks).
+    With ``max_s`` > 0 it goes on, 12 rows at a time, until the normal-approximation 95 %
+    half-width of the per-row overhead over ``noop`` is at most ``half_width`` or ``max_s``
+    seconds have passed (rank 0 decides and broadcasts, between blocks).
 
     One agreement (and its step clock) lives across all ``ours_auto`` blocks, as in a real run:
     its cadence is settled before the first timed block and is not reset between blocks. The
     step clock restarts at each such block (``record_save``, as after a save) so the ``none``
-    block in between does not count as one long step. Returns one row per pair:
-    ``{"none", "ours_auto"}`` mean step times (s) and ``ours_auto_boundary_s`` (mean time in the call).
+    block in between does not count as one long step. Returns one row per round:
+    ``{"none", "noop", "ours_auto"}`` mean step times (s) and ``ours_auto_boundary_s`` (mean time in the call).
     """
     from resilience.timing import RunTimer, auto_cadence
 
@@ -64,8 +67,7 @@ def ab_phase(
     finally:
         agreement.close()
     if rank == 0 and rows:
-        mean = sum(r["ours_auto"] for r in rows) / sum(r["none"] for r in rows) - 1
-        print(f"ddp A/B: {len(rows)} pairs of {steps} steps, auto vs none {mean:+.2%} (every {agreement.every_steps} steps at the end)", flush=True)
+        print(f"ddp A/B: {len(rows)} rows of {steps} steps, {_versus(rows, 'ours_auto')} (every {agreement.every_steps} steps at the end)", flush=True)
     return rows
 
 
@@ -90,8 +92,7 @@ def progress_ab_phase(run: DigitsRun, rank: int, counter: list[int], pairs: int,
         reporter.phase("done", counter[0])
         reporter.close()
     if rank == 0 and rows:
-        mean = sum(r["progress"] for r in rows) / sum(r["none"] for r in rows) - 1
-        print(f"ddp A/B: {len(rows)} pairs of {steps} steps, progress reports vs none {mean:+.2%}", flush=True)
+        print(f"ddp A/B: {len(rows)} rows of {steps} steps, progress reports: {_versus(rows, 'progress')}", flush=True)
     return rows
 
 
@@ -110,23 +111,30 @@ def interleaved_pairs(
     max_s: float = 0.0,
     half_width: float = 0.004,
 ) -> list[dict[str, float]]:
-    """Pairs of timed blocks of ``steps`` steps, ``none`` (the bare step) and ``name`` (the step
-    then ``boundary()``), in ABBA order, until :func:`_ab_done` (see :func:`ab_phase`). First
-    ``settle`` untimed steps with the boundary call and ``warmup`` without. ``before_block`` runs
-    before each ``name`` block. Returns one row per pair: ``{"none", name}`` mean step times (s)
-    and ``<name>_boundary_s`` (mean time in ``boundary``)."""
+    """Rows of three timed blocks of ``steps`` steps each: ``none`` (the bare step), ``noop`` (the
+    step, then a call that does nothing, timed like the real one: the A/A control) and ``name``
+    (the step then ``boundary()``), until :func:`_ab_done` (see :func:`ab_phase`). The rows cycle
+    through the six orders of the three arms, so each arm runs first, second and last equally
+    often and after each other arm equally often, and a linear drift cancels every six rows.
+    First ``settle`` untimed steps with the boundary call and ``warmup`` without.
+    ``before_block`` runs before each ``name`` block, untimed. Returns one row per round:
+    ``{"none", "noop", name}`` mean step times (s) and ``<name>_boundary_s`` (mean time in
+    ``boundary``)."""
+    calls: dict[str, Callable[[], None] | None] = {"none": None, "noop": _noop, name: boundary}
+    orders = list(itertools.permutations(calls))
 
     def block(variant: str, n: int) -> tuple[float, float]:
         if variant == name and before_block is not None:
             before_block()
+        call = calls[variant]
         in_call = 0.0
         start = time.perf_counter()
         for _ in range(n):
             run.step()
             counter[0] += 1
-            if variant == name:
+            if call is not None:
                 mid = time.perf_counter()
-                boundary()
+                call()
                 in_call += time.perf_counter() - mid
         return (time.perf_counter() - start) / max(1, n), in_call / max(1, n)
 
@@ -137,21 +145,34 @@ def interleaved_pairs(
     started = time.monotonic()
     while True:
         row: dict[str, float] = {}
-        for variant in ("none", name) if len(rows) % 2 == 0 else (name, "none"):
+        for variant in orders[len(rows) % len(orders)]:
             dist.barrier()
             row[variant], inside = block(variant, steps)
             if variant == name:
                 row[f"{name}_boundary_s"] = inside
         rows.append(row)
-        if len(rows) >= pairs and (len(rows) - pairs) % 10 == 0 and _ab_done(rows, rank, max_s, half_width, time.monotonic() - started, name):
+        if len(rows) >= pairs and (len(rows) - pairs) % 12 == 0 and _ab_done(rows, rank, max_s, half_width, time.monotonic() - started, name):
             return rows
 
 
+def _versus(rows: list[dict[str, float]], name: str) -> str:
+    """``name`` vs the no-op call and vs the bare step, and the no-op vs the bare step, as text."""
+
+    def over(a: str, b: str) -> str:
+        return f"{sum(r[a] for r in rows) / sum(r[b] for r in rows) - 1:+.2%}"
+
+    return f"{name} vs noop {over(name, 'noop')}, vs none {over(name, 'none')} (noop vs none {over('noop', 'none')})"
+
+
+def _noop() -> None:
+    """The A/A arm's call: the harness's own cost, without the thing measured."""
+
+
 def _ab_done(rows: list[dict[str, float]], rank: int, max_s: float, half_width: float, elapsed_s: float, name: str = "ours_auto") -> bool:
-    """Rank 0's verdict, broadcast to every rank: enough A/B pairs (see :func:`ab_phase`)."""
+    """Rank 0's verdict, broadcast to every rank: enough rows (see :func:`ab_phase`)."""
     done = torch.ones(1, dtype=torch.int64)
     if rank == 0 and max_s > 0 and elapsed_s < max_s and len(rows) >= 2:
-        fractions = [r[name] / r["none"] - 1 for r in rows]
+        fractions = [r[name] / r["noop"] - 1 for r in rows]
         done[0] = int(1.96 * statistics.stdev(fractions) / len(fractions) ** 0.5 <= half_width)
     dist.broadcast(done, src=0)
     return bool(done.item())

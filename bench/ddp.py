@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, median, remove
-from bench.stats import median_interval, paired_overhead
+from bench.stats import controlled_overhead, median_interval
 from resilience.exit_codes import ExitCode
 from resilience.launch import launch
 
@@ -51,9 +51,10 @@ def bench_agreement(
     Returns the raw blocks plus, per variant, the median over rounds of its mean step time and
     of its overhead over the ``none`` block of the same round (a paired ratio), with the
     order-statistic interval of that median (:func:`bench.stats.median_interval`); and
-    ``ab``: the default cadence's overhead from at least ``ab_pairs`` interleaved A/B pairs of
-    ``ab_steps`` steps (more, for up to ``ab_max_s`` seconds, until the interval is about
-    +-0.4 % wide) with its bootstrap interval (:func:`bench.stats.paired_overhead`)."""
+    ``ab``: the default cadence's overhead over a no-op call from at least ``ab_pairs``
+    interleaved rows of ``ab_steps``-step blocks (more, for up to ``ab_max_s`` seconds, until
+    the interval is about +-0.4 % wide) with its block-bootstrap interval, and the same against
+    the bare step and the no-op's own reading (:func:`bench.stats.controlled_overhead`)."""
     out = work / "ddp_result.json"
     ckpt = work / "ddp_checkpoints"
     remove(out)
@@ -104,17 +105,17 @@ def bench_agreement(
             "overhead_interval": median_interval(overheads),
         }
     pairs = raw.get("ab_pairs", [])
-    ab = paired_overhead([row["ours_auto"] for row in pairs], [row["none"] for row in pairs])
+    ab = controlled_overhead(pairs, "ours_auto")
     ab.update(
         steps_per_block=raw.get("ab_steps_per_block"),
-        step_s={"none": median([row["none"] for row in pairs]), "ours_auto": median([row["ours_auto"] for row in pairs])},
+        step_s={arm: median([row[arm] for row in pairs]) for arm in ("none", "noop", "ours_auto") if pairs and arm in pairs[0]},
         boundary_call_s=median([row["ours_auto_boundary_s"] for row in pairs]),
     )
     progress_pairs = raw.get("progress_ab_pairs", [])
-    watchdog = paired_overhead([row["progress"] for row in progress_pairs], [row["none"] for row in progress_pairs])
+    watchdog = controlled_overhead(progress_pairs, "progress")
     watchdog.update(
         steps_per_block=raw.get("ab_steps_per_block"),
-        step_s={"none": median([row["none"] for row in progress_pairs]), "progress": median([row["progress"] for row in progress_pairs])},
+        step_s={arm: median([row[arm] for row in progress_pairs]) for arm in ("none", "noop", "progress") if progress_pairs and arm in progress_pairs[0]},
         boundary_call_s=median([row["progress_boundary_s"] for row in progress_pairs]),
         stalls_seen=stalls,
     )
@@ -141,7 +142,7 @@ def bench_agreement(
 
 def _wait_watched(group, timeout_s: float) -> tuple[int, int]:
     """``group.wait(timeout_s)`` while ``resilience run``'s watchdog reads the ranks' progress
-    records as the launcher does (its reads land beside both blocks of every A/B pair alike);
+    records as the launcher does (its reads land beside every block of every row alike);
     returns (the group's exit code, stalls the watchdog reported, which should be 0).
 
     Raises RuntimeError when the ranks have not finished within ``timeout_s`` seconds."""

@@ -12,10 +12,11 @@ loop so each variant differs only in what happens at the step boundary:
 
 Blocks of steps alternate between the variants round after round (rotating the order), so
 slow drifts of the shared machine hit every variant alike. Then the default cadence (``auto``)
-is measured against ``none`` in many short interleaved A/B pairs (ABBA order; one agreement
-alive across its blocks, as in a real run), the data of the overhead's confidence interval.
-Then the same for the watchdog's progress reports (``ProgressReporter.step`` at every boundary
-against nothing). Then it measures the stop latency
+is measured in many short interleaved rows of three blocks: ``none``, ``noop`` (a call that does
+nothing, timed like the real one: the A/A control) and the agreement (the six orders in turn;
+one agreement alive across its blocks, as in a real run), the data of the overhead's confidence
+interval. Then the same for the watchdog's progress reports (``ProgressReporter.step`` at every
+boundary). Then it measures the stop latency
 (rank 0 ``os.kill``s rank 1 with SIGUSR1 at a random moment; steps and seconds until both
 ranks have the agreed stop) and the time of one ``Checkpointer.save`` of this run's state.
 
@@ -109,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before each block")
     parser.add_argument("--big-k", type=int, default=10)
     parser.add_argument("--ab-pairs", type=int, default=100, help="interleaved none/auto block pairs")
-    parser.add_argument("--ab-steps", type=int, default=50, help="timed steps per A/B block")
+    parser.add_argument("--ab-steps", type=int, default=50, help="timed steps per block of the interleaved rows")
     parser.add_argument(
-        "--ab-max-seconds", type=float, default=0.0, help="more A/B pairs until the interval is narrow, for at most this long (0: exactly --ab-pairs)"
+        "--ab-max-seconds", type=float, default=0.0, help="more rows until the interval is narrow, for at most this long (0: exactly --ab-pairs)"
     )
     parser.add_argument("--latency-trials", type=int, default=5)
     parser.add_argument("--saves", type=int, default=3)

@@ -5,7 +5,8 @@ median of those per-round ratios is reported with its 95 % interval (:mod:`bench
 ``rounds`` beside it). Save and load ratios are speed ratios (anchor time / our time: higher is
 better); the async, agreement, exit and memory ratios are cost ratios (lower is better). The
 agreement overhead and the watchdog's (progress reports on vs off) are the figures from
-interleaved A/B pairs (value = sum over pairs).
+interleaved rows of blocks against a no-op call in the same harness (value = ratio of sums over
+the rows; :func:`bench.stats.controlled_overhead`).
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def _agreement(out: dict[str, Any], ddp: dict[str, Any]) -> None:
         rounds_of_variants=ddp["raw"]["rounds"],
         ab=ab,
     )
-    # The figure is the A/B estimate (ratio of sums over the pairs) with its bootstrap interval;
+    # The figure is the estimate against the no-op control (ratio of sums over the rows) with its block-bootstrap interval;
     # the target is judged on the interval's upper end.
     entry.update(value=ab.get("value"), ci_low=ab.get("ci_low"), ci_high=ab.get("ci_high"), ci_confidence=ab.get("confidence"))
     latency_ok = lat.get(default, {}).get("seconds", float("inf")) <= STOP_LATENCY_TARGET_S
@@ -204,7 +205,7 @@ def _agreement(out: dict[str, Any], ddp: dict[str, Any]) -> None:
 
 
 def _watchdog_overhead(out: dict[str, Any], ddp: dict[str, Any]) -> None:
-    """The progress reports' A/B overhead (ratio of sums over the pairs, bootstrap interval),
+    """The progress reports' overhead against the no-op control (ratio of sums over the rows, block-bootstrap interval),
     judged on the interval's upper end like the agreement's."""
     ab = ddp.get("watchdog_ab") or {}
     entry = _entry("watchdog_overhead_fraction", ab.get("pair_fractions", []), ab=ab, stalls_seen=ab.get("stalls_seen"))

@@ -138,13 +138,21 @@ def _async_rows(fig: dict[str, Any]) -> list[Row]:
 
 
 def _ab_row(label: str, f: dict[str, Any], treated: str, base: str) -> Row:
-    """The row of an overhead from interleaved A/B pairs (``f["ab"]``): ``treated`` blocks vs ``none``."""
+    """The row of an overhead from interleaved blocks (``f["ab"]``): ``treated`` vs its control
+    (a no-op call in the same harness, where the run had one; else the bare step, ``base``), with
+    the raw figure vs the bare step and the no-op's own reading (A/A) beside it."""
     ab = f["ab"]
+    control = ab.get("control", "none")
+    against = f"a no-op call {_s(ab['step_s'][control])}" if control != "none" else f"{base} {_s(ab['step_s']['none'])}"
+    extra = ""
+    if ab.get("aa"):
+        raw, aa = ab["raw"], ab["aa"]
+        extra = f"; vs {base}: {raw['value']:+.2%}, A/A (no-op vs {base}): {aa['value']:+.2%}" + _ci(aa | {"ci_confidence": aa.get("confidence")}, "{:+.2%}")
     return (
-        f"{label}, {ab['n']} interleaved A/B pairs of {ab['steps_per_block']} steps",
+        f"{label}, {ab['n']} interleaved rows of {ab['steps_per_block']} steps (blocks of {ab.get('block', 1)} rows resampled)",
         f"{_s(ab['step_s'][treated])} ({_s(ab['boundary_call_s'])} inside the call)",
-        f"{base} {_s(ab['step_s']['none'])}",
-        _x(f["value"], "{:+.2%}") + _ci(f, "{:+.2%}"),
+        against,
+        _x(f["value"], "{:+.2%}") + _ci(f, "{:+.2%}") + extra,
         f["target"],
         _verdict(f["pass"]),
     )

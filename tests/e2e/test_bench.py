@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))  # bench/ is a top-level package of the repository
 from bench.common import parse_size  # noqa: E402
 from bench.goodput import LogTail, summarise  # noqa: E402
 from bench.report import CI_KEYS, KEYS, LOADED_PREFIX  # noqa: E402
-from bench.stats import median_interval, paired_overhead  # noqa: E402
+from bench.stats import controlled_overhead, median_interval, paired_overhead  # noqa: E402
 
 
 def test_size_option_accepts_bytes_and_binary_suffixes_and_names_itself_on_bad_input():
@@ -53,6 +53,26 @@ def test_paired_overhead_is_the_ratio_of_sums_with_a_reproducible_interval_aroun
     assert paired_overhead([1.0], [1.0])["ci_high"] is None
     with pytest.raises(ValueError, match="paired_overhead"):
         paired_overhead([1.0, 2.0], [1.0])
+
+
+def test_a_burst_spanning_rows_widens_the_block_bootstrap_interval_and_the_no_op_arm_is_the_control():
+    # 64 rows; the machine slows the treated arm for 8 consecutive rows (a burst), else +1 %.
+    base = [1.0] * 64
+    treated = [1.10 if 20 <= i < 28 else 1.01 for i in range(64)]
+    pairs = paired_overhead(treated, base, block=1)
+    blocks = paired_overhead(treated, base)  # default block length ceil(64 ** (1/3)) = 4
+    assert blocks["block"] == 4 and pairs["block"] == 1 and blocks["value"] == pairs["value"]
+    assert blocks["ci_high"] - blocks["ci_low"] > pairs["ci_high"] - pairs["ci_low"]
+    # The harness alone costs +2 % (the no-op arm); the call itself +0.5 % more.
+    rows = [{"none": 1.0, "noop": 1.02 + 0.001 * (i % 3), "x": (1.02 + 0.001 * (i % 3)) * 1.005} for i in range(30)]
+    got = controlled_overhead(rows, "x")
+    assert got["control"] == "noop" and got["value"] == pytest.approx(0.005)
+    assert got["raw"]["value"] == pytest.approx(sum(r["x"] for r in rows) / 30 - 1)
+    assert got["aa"]["value"] == pytest.approx(sum(r["noop"] for r in rows) / 30 - 1)
+    assert got["ci_low"] <= 0.005 <= got["ci_high"] and got["aa"]["ci_low"] > 0.015
+    # results written before the control arm existed: the bare step stays the control
+    old = controlled_overhead([{"none": 1.0, "x": 1.01}, {"none": 1.0, "x": 1.03}], "x")
+    assert old["control"] == "none" and old["aa"] is None and old["value"] == pytest.approx(0.02)
 
 
 def test_log_tail_counts_only_rows_past_the_resume_point_after_the_log_is_rewritten(tmp_path):
@@ -127,7 +147,7 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
 
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert table[0].startswith("| figure | ours | anchor (same run) | ratio [95 % interval, coverage] | target |")
-    labels = ("sync save", "load for resume", "load vs safetensors", "load vs DCP", "async save", "stop agreement, ours k=auto (default), 3 interleaved A/B")
+    labels = ("sync save", "load for resume", "load vs safetensors", "load vs DCP", "async save", "stop agreement, ours k=auto (default), 3 interleaved rows")
     labels += (
         "stop agreement, ours k=1",
         "stop latency, k=1",
@@ -137,7 +157,7 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
         "cost per preemption",
         "sync save, FSDP2 2 ranks (safetensors)",
         "sharded save vs DCP save",
-        "watchdog: progress reports, 3 interleaved A/B pairs",
+        "watchdog: progress reports, 3 interleaved rows",
         "watchdog detection, a rank hung in a step",
         "watchdog detection, a rank SIGKILLed",
         "watchdog detection, a rank SIGSTOPped",
@@ -165,7 +185,9 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
     assert doc["save_vs_torch_save"]["target"] == ">= 1.1x torch.save"  # the retired 1.5x is gone
     assert len(doc["save_vs_disk"]["rounds"]) == 1 and doc["save_vs_disk"]["rounds"][0] == doc["save_vs_disk"]["value"]
     agreement = doc["agreement_overhead_fraction"]
-    assert agreement["ab"]["n"] == 3 and len(agreement["rounds"]) == 3  # one overhead per A/B pair
+    assert agreement["ab"]["n"] == 3 and len(agreement["rounds"]) == 3  # one overhead per row of blocks
+    assert agreement["ab"]["control"] == "noop" and set(agreement["ab"]["step_s"]) == {"none", "noop", "ours_auto"}
+    assert math.isfinite(agreement["ab"]["aa"]["value"]) and math.isfinite(agreement["ab"]["raw"]["value"])
     assert agreement["ci_low"] <= agreement["value"] <= agreement["ci_high"]
     assert (doc[CI_KEYS[0]], doc[CI_KEYS[1]]) == (agreement["ci_low"], agreement["ci_high"])
     assert agreement["pass"] == (agreement["ci_high"] <= 0.01 and agreement["stop_latency_s"]["auto"] <= 1.0)
