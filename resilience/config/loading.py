@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             node = child
         if not text.strip():
             raise ConfigError(f"override {item!r}: empty value; write {key}=null for null, or {key}=VALUE")
-        node[parts[-1]] = yaml.safe_load(text)
+        node[parts[-1]] = parse_value(text)
     return data
 
 
@@ -110,7 +111,36 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     return config_from_dict(data)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _Yaml12NumbersLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` without YAML 1.1's base-60 numbers: PyYAML reads an unquoted
+    ``12:00:00`` as the integer 43200 and ``30:00`` as 1800, so ``slurm.time=12:00:00`` (Slurm's
+    own form) arrived as a number. Integers and floats resolve as ``safe_load``'s patterns
+    without their base-60 forms; everything else as ``safe_load``."""
+
+
+_Yaml12NumbersLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12NumbersLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+_Yaml12NumbersLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def parse_value(text: str) -> Any:
+    """One override's value as YAML (``[USR1, 15]``, ``null``, ``3``, ``1e-4``), base-60 aside:
+    ``12:00:00`` stays the text typed (:class:`_Yaml12NumbersLoader`)."""
+    return yaml.load(text, Loader=_Yaml12NumbersLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+class _UniqueKeyLoader(_Yaml12NumbersLoader):
     """``yaml.safe_load`` that refuses a key given twice in one mapping: PyYAML would keep the
     last value silently, so a setting edited in one place and left in another is lost."""
 

@@ -58,6 +58,8 @@ class SlurmConfig:
     """Shell lines run before the launch (``module load ...``, ``source venv/bin/activate``)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.time, int) and not isinstance(self.time, bool):  # YAML's 90: Slurm's minutes, as --time=90
+            self.time = str(self.time)
         for key in ("script", "python", "job_name", "time", "output", "launcher", "requeue"):
             value = getattr(self, key)
             if not isinstance(value, str) or not value.strip():

@@ -114,6 +114,16 @@ def test_override_with_empty_value_is_refused_and_null_is_spelled_out():
     assert config_from_dict(data).step_scheduler.signals == ()
 
 
+def test_slurm_times_with_colons_stay_the_text_typed_not_yaml_base_60_numbers(tmp_path):
+    # PyYAML's YAML 1.1 reads 12:00:00 as 43200 and 30:00 as 1800; Slurm means the text.
+    cfg = load_config(None, ["slurm.time=12:00:00", "slurm.job_name=12:30", "checkpoint.checkpoint_dir=1:30"])
+    assert (cfg.slurm.time, cfg.slurm.job_name, cfg.checkpoint.checkpoint_dir) == ("12:00:00", "12:30", "1:30")
+    assert load_config(_write(tmp_path, "slurm:\n  time: 30:00\n")).slurm.time == "30:00"
+    assert load_config(None, ["slurm.time=90"]).slurm.time == "90"  # minutes, as sbatch --time=90
+    numbers = load_config(None, ["model.a=3", "model.b=1.5", "model.c=0x10", "model.d=1_000", "model.e=1.0e-4"]).extra["model"]
+    assert numbers == {"a": 3, "b": 1.5, "c": 16, "d": 1000, "e": 1.0e-4}
+
+
 def test_to_dict_round_trips_through_yaml():
     cfg = load_config(None, ["step_scheduler.preemption_signal=[USR1, 15]", "model.width=3", "checkpoint.checkpoint_dir=/ck"])
     again = config_from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
