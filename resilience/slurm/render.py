@@ -125,7 +125,7 @@ def _command(config: ResilienceConfig, config_path: str | None) -> str:
     s = config.slurm
     if config_path is None and any(CONFIG_PLACEHOLDER in a for a in s.script_args):
         raise ConfigError(f"slurm.script_args: {CONFIG_PLACEHOLDER} stands for the YAML's path, but the script is rendered without a YAML")
-    args = [s.script, *(a.replace(CONFIG_PLACEHOLDER, config_path) for a in s.script_args)]
+    args = [s.script, *(str(a) if config_path is None else str(a).replace(CONFIG_PLACEHOLDER, config_path) for a in s.script_args)]
     return " ".join(shlex.quote(a) for a in args)
 
 

@@ -116,6 +116,10 @@ def test_the_cli_renders_the_defaults_without_a_yaml(tmp_path: Path, capsys) -> 
     assert capsys.readouterr().out == (TEMPLATES / "slurm.sub").read_text()
     assert cli.main(["template", "slurm", "slurm.nodes=2", "-o", str(tmp_path / "m.sub")]) == 0
     assert (tmp_path / "m.sub").read_text() == (TEMPLATES / "slurm-multinode.sub").read_text()
+    # Without a YAML, training overrides and script_args still reach the ranks (was: a TypeError).
+    assert cli.main(["template", "slurm", "step_scheduler.max_steps=5", "slurm.script_args=[--lr, 1]", "slurm.time=12:00:00"]) == 0
+    out = capsys.readouterr().out
+    assert "train.py --lr 1 step_scheduler.max_steps=5 " in out and "#SBATCH --time=12:00:00\n" in out
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
