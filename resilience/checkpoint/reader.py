@@ -66,7 +66,7 @@ def _choose(root: Path, restore_from: str | None, key: str, checksums: bool) -> 
     warnings = [choice.latest_problem] if choice.latest_problem else []
     for skipped in choice.skipped:
         if skipped.marked_bad:
-            warnings.append(f"skipping {skipped.path.name}: marked bad at an earlier start ({skipped.why})")
+            warnings.append(f"skipping {skipped.path.name}: marked bad ({skipped.why})")  # at this start's failed load, or an earlier start
         else:
             warnings.append(f"skipping invalid checkpoint: {skipped.why}")
             mark_bad(skipped.path, skipped.why)

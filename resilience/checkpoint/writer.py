@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from resilience.checkpoint.layout import LATEST, STAGING_PREFIX, TRASH_PREFIX
+from resilience.checkpoint.layout import BAD_MARKER, LATEST, STAGING_PREFIX, TRASH_PREFIX
 from resilience.checkpoint.policy.lineage import describe, is_checkpoint_named, set_aside
 from resilience.checkpoint.policy.lowest_val import LOWEST_VAL
 from resilience.checkpoint.storage.durable import FileRecord, fsync_dir, fsync_file, record
@@ -247,11 +247,11 @@ def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = 
                 shutil.rmtree(trash)
             os.rename(final, trash)
         else:
-            what = describe(final)
+            marked_bad = (final / BAD_MARKER).exists()  # corrupt, found so at this resume or an earlier one
+            what = "a checkpoint marked bad" if marked_bad else f"a checkpoint of another timeline ({describe(final)})"
             abandoned = set_aside(root, final)
             log.warning(
-                "%s already held a checkpoint of another timeline (%s), not the one this run continues: "
-                "moved it aside to %s (kept; delete it when it is not needed)",
+                "%s already held %s, not the one this run continues: moved it aside to %s (kept; delete it when it is not needed)",
                 final.name,
                 what,
                 abandoned.name,

@@ -198,6 +198,9 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
         elif kind == "abandoned":
             _, problem, meta = _check(path, deep)
             state = "abandoned"
+            if (path / BAD_MARKER).exists():
+                entry["marked_bad"] = _relative(first_line(path / BAD_MARKER), root)
+                problem = problem or "marked bad, moved aside when its step was saved again (never resumed or pruned; delete it when not needed)"
             problem = problem or "another timeline's checkpoint, moved aside after a rollback (never resumed or pruned; delete it when not needed)"
         else:
             state, problem, meta = _check(path, deep)

@@ -388,6 +388,25 @@ def test_invalid_checkpoint_is_marked_bad_and_skipped_next_time(root, caplog):
     assert ck.find_resume_point() == root / "epoch_0_step_2"
 
 
+def test_a_corrupt_latest_saved_again_after_the_fallback_is_named_as_marked_bad_not_as_another_timeline(root, caplog):
+    save_steps(root, 2, 4, 6)
+    _flip_byte(root / "epoch_0_step_6")  # found while loading: marked bad, then the fallback
+    ck = checkpointer(root, make_state(seed=2))
+    with caplog.at_level(logging.WARNING, logger="resilience.checkpoint"):
+        assert ck.restore().directory == root / "epoch_0_step_4"
+        assert save_at(ck, 6) == root / "epoch_0_step_6"  # trained 5 and 6 again
+    text = caplog.text
+    assert "epoch_0_step_6 already held a checkpoint marked bad" in text and "another timeline" not in text, text
+    assert "at an earlier start" not in text
+    (aside,) = [p for p in root.iterdir() if p.name.startswith("epoch_0_step_6.abandoned-")]
+    assert (aside / BAD_MARKER).exists() and not (root / "epoch_0_step_6" / BAD_MARKER).exists()
+    validate(root / "epoch_0_step_6")
+    from resilience.cli.status import inspect_root
+
+    (entry,) = [e for e in inspect_root(root)["checkpoints"] if e["name"] == aside.name]
+    assert entry["state"] == "marked bad" and entry["kind"] == "abandoned" and "marked bad, moved aside" in entry["problem"]
+
+
 def test_all_checkpoints_invalid_means_fresh_start_with_warnings(root, caplog):
     save_steps(root, 2, 4)
     _truncate(root / "epoch_0_step_2")
