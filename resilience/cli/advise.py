@@ -114,6 +114,8 @@ def advise(
 
     rows = _recorded_timings(root)
     with_step = [r for r in rows if r["step_s"] is not None]
+    if not rows:
+        raise LookupError(f"no checkpoint with a readable manifest under {root}: advise reads the step and save times that resilient_loop records in them")
     if not with_step:
         raise LookupError(
             f"no step times recorded in the manifests under {root} ({len(rows)} readable): timings are recorded by "
@@ -144,7 +146,7 @@ def advise(
     if agreement_every_steps == "auto":
         agreement_every_steps = auto_cadence(step_s, agreement_interval_s) or 1
         notes.append(
-            f"agreement_every_steps auto: k = {agreement_every_steps} for {step_s:.3f} s steps "
+            f"agreement_every_steps auto: k = {agreement_every_steps} for {_sig(step_s)} s steps "
             f"(a round every {agreement_interval_s:g} s at most, at least every step)"
         )
     needed = seconds_needed(step_s, save_s, agreement_every_steps=agreement_every_steps, safety=safety)
@@ -176,18 +178,24 @@ def advise(
     }
 
 
+def _sig(seconds: float) -> str:
+    """Seconds to 4 significant digits: a 0.8 ms step printed as 0.001 made the shown arithmetic
+    disagree with its result."""
+    return f"{seconds:.4g}"
+
+
 def format_advice(doc: dict[str, Any]) -> str:
     """The terminal form of an :func:`advise` document, with the arithmetic."""
     k = doc["agreement_every_steps"]
     steps = 2 * k - 1
     return "\n".join(
         [
-            f"Timings from {doc['source']}: step {doc['step_s']:.3f} s, save {doc['save_s']:.3f} s",
+            f"Timings from {doc['source']}: step {_sig(doc['step_s'])} s, save {_sig(doc['save_s'])} s",
             *[f"  note: {n}" for n in doc["notes"]],
             *[f"  warning: {w}" for w in doc.get("warnings", [])],
             "A stop needs (steps the agreement may still run + one save) x safety:",
-            f"  ((2 x {k} - 1) x {doc['step_s']:.3f} s + {doc['save_s']:.3f} s) x {doc['safety']:g}"
-            f" = ({steps} x {doc['step_s']:.3f} + {doc['save_s']:.3f}) x {doc['safety']:g} = {doc['seconds_needed']:.3f} s",
+            f"  ((2 x {k} - 1) x {_sig(doc['step_s'])} s + {_sig(doc['save_s'])} s) x {doc['safety']:g}"
+            f" = ({steps} x {_sig(doc['step_s'])} + {_sig(doc['save_s'])}) x {doc['safety']:g} = {doc['seconds_needed']:.3f} s",
             f"Slurm checks signal times every {doc['slurm_signal_interval_s']} s, so the signal comes between N and "
             f"N + {doc['slurm_signal_interval_s']} s before the end:",
             f"  N = ceil({doc['seconds_needed']:.3f} + {doc['slurm_signal_interval_s']}) = {doc['lead_s']}",

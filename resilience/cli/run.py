@@ -16,7 +16,7 @@ from resilience.launch.start import launch
 from resilience.launch.supervise import Outcome, supervise
 from resilience.launch.watchdog import DEFAULT_STARTUP_TIMEOUT_S, ProgressTimeout
 
-HELP = "start N local ranks (torchrun-like), forward USR1/USR2/TERM/INT to them, watch their progress, restart them in-job, exit with their code"
+HELP = "start N local ranks (torchrun-like), forward USR1/USR2/TERM/INT/HUP/QUIT to them, watch their progress, restart them in-job, exit with their code"
 
 
 def _stderr_log(message: str) -> None:

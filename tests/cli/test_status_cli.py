@@ -371,7 +371,7 @@ def test_advise_uses_the_newest_checkpoint_with_both_times(timed, capsys):
     assert code == 0
     check_golden("status_advise.txt", out)
     # ((2*1 - 1) * 0.5 + 4.0) * 1.5 = 6.75; ceil(6.75 + 30) = 37
-    assert "  ((2 x 1 - 1) x 0.500 s + 4.000 s) x 1.5 = (1 x 0.500 + 4.000) x 1.5 = 6.750 s" in out.splitlines()
+    assert "  ((2 x 1 - 1) x 0.5 s + 4 s) x 1.5 = (1 x 0.5 + 4) x 1.5 = 6.750 s" in out.splitlines()
     assert "  N = ceil(6.750 + 30) = 37" in out.splitlines()
     assert out.splitlines()[-2] == "#SBATCH --signal=B:USR1@37"
 
@@ -396,6 +396,17 @@ def test_advise_counts_an_untimed_save_as_one_step(tmp_path, capsys):
     assert code == 0
     assert "note: no save time recorded yet" in out
     assert "#SBATCH --signal=B:USR1@32" in out  # ceil((0.4 + 0.4) * 1.5 + 30) = ceil(31.2)
+
+
+def test_advise_of_an_empty_root_says_there_are_no_checkpoints(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "advise", str(tmp_path))
+    assert code == 1 and out == "" and "no checkpoint with a readable manifest under" in err
+
+
+def test_advise_shows_sub_millisecond_steps_so_the_printed_arithmetic_adds_up(tmp_path, capsys):
+    write_manifest(tmp_path, 2, 100.0, 0.000812, 0.0223)
+    code, out, _ = run_cli(capsys, "advise", str(tmp_path))
+    assert code == 0 and "(245 x 0.000812 + 0.0223) x 1.5 = 0.332 s" in out and "k = 123 for 0.000812 s steps" in out, out
 
 
 def test_advise_without_timings_exits_1_saying_why(tmp_path, capsys):
