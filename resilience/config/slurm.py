@@ -7,7 +7,30 @@ import re
 
 from resilience.config.checks import ConfigError, check_int, check_local_path
 
-_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
+_NO_LIMIT = ("UNLIMITED", "INFINITE")
+
+
+def slurm_time_s(text: str) -> int | None:
+    """Seconds in a Slurm ``--time`` value (sbatch(1): ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``,
+    ``D-HH:MM``, ``D-HH:MM:SS``); ``None`` for ``UNLIMITED``/``INFINITE`` (any case).
+
+    Raises:
+        ValueError: ``text`` is none of these forms.
+    """
+    if text.upper() in _NO_LIMIT:
+        return None
+    match = _SLURM_TIME.match(text)
+    if match is None:
+        raise ValueError(text)
+    days, first, second, third = (int(g) if g is not None else None for g in match.groups())
+    if days is not None:  # D-HH[:MM[:SS]]
+        return ((days * 24 + first) * 60 + (second or 0)) * 60 + (third or 0)
+    if third is not None:  # HH:MM:SS
+        return (first * 60 + second) * 60 + third
+    return first * 60 + (second or 0)  # MM[:SS]
+
+
 LAUNCHERS = ("resilience", "srun", "torchrun")
 REQUEUE_MODES = ("requeue", "resubmit")
 
@@ -73,8 +96,15 @@ class SlurmConfig:
         check_int("slurm.cpus_per_task", self.cpus_per_task, minimum=1, allow_none=True)
         check_int("slurm.signal_lead_s", self.signal_lead_s, minimum=1)
         check_int("slurm.max_restarts", self.max_restarts, minimum=0)
-        if not _SLURM_TIME.match(self.time):
-            raise ConfigError(f"slurm.time: {self.time!r} is not a Slurm time; accepted: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS")
+        try:
+            wall_s = slurm_time_s(self.time)
+        except ValueError:
+            raise ConfigError(f"slurm.time: {self.time!r} is not a Slurm time; accepted: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, UNLIMITED") from None
+        if wall_s is not None and self.signal_lead_s >= wall_s:
+            raise ConfigError(
+                f"slurm.signal_lead_s: {self.signal_lead_s} s is not shorter than slurm.time {self.time} ({wall_s} s): "
+                "the warning would come as the job starts, and every start would stop at once"
+            )
         if self.launcher not in LAUNCHERS:
             raise ConfigError(f"slurm.launcher: {self.launcher!r}; accepted: {', '.join(LAUNCHERS)}")
         self._check_watchdog()

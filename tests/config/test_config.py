@@ -124,6 +124,23 @@ def test_slurm_times_with_colons_stay_the_text_typed_not_yaml_base_60_numbers(tm
     assert numbers == {"a": 3, "b": 1.5, "c": 16, "d": 1000, "e": 1.0e-4}
 
 
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("90", 5400), ("30:00", 1800), ("1:30", 90), ("12:00:00", 43200), ("1-12", 129600), ("1-12:30", 131400), ("1-0:0:15", 86415), ("unlimited", None)],
+)
+def test_slurm_time_forms_in_seconds_as_sbatch_reads_them(text, seconds):
+    from resilience.config.slurm import slurm_time_s
+
+    assert slurm_time_s(text) == seconds
+
+
+def test_a_signal_lead_not_shorter_than_the_wall_time_is_refused_and_unlimited_time_is_accepted():
+    with pytest.raises(ConfigError, match=r"slurm.signal_lead_s: 300 s is not shorter than slurm.time 5 \(300 s\)"):
+        load_config(None, ["slurm.time=5"])
+    assert load_config(None, ["slurm.time=6"]).slurm.time == "6"
+    assert load_config(None, ["slurm.time=UNLIMITED"]).slurm.time == "UNLIMITED"
+
+
 def test_to_dict_round_trips_through_yaml():
     cfg = load_config(None, ["step_scheduler.preemption_signal=[USR1, 15]", "model.width=3", "checkpoint.checkpoint_dir=/ck"])
     again = config_from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
