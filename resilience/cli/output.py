@@ -81,6 +81,8 @@ def existing_dir(text: str, what: str) -> Path:
     """``text`` as the path of an existing directory; :class:`UsageError` naming ``what`` otherwise
     (also for a URL other than ``file://``, see :func:`local_arg`)."""
     text = local_arg(text, what)
+    if not text.strip():  # Path("") is ".": an empty $VAR would inspect the current directory
+        raise UsageError(f"{what}: empty; give a directory")
     path = Path(text)
     if not path.exists():
         raise UsageError(f"{what} {text!r}: no such directory")

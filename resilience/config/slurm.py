@@ -87,6 +87,8 @@ class SlurmConfig:
             value = getattr(self, key)
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"slurm.{key}: expected a non-empty string, got {value!r}")
+        if any(c.isspace() for c in self.job_name):  # an #SBATCH line is split at whitespace
+            raise ConfigError(f"slurm.job_name: {self.job_name!r} holds whitespace; use '-' or '_' instead")
         for key in ("script", "output"):  # paths on the cluster's filesystem: an s3:// one would be a local folder
             setattr(self, key, check_local_path(f"slurm.{key}", getattr(self, key)))
         if self.partition is not None and (not isinstance(self.partition, str) or not self.partition):

@@ -270,6 +270,11 @@ def test_status_of_one_checkpoint_says_to_pass_its_root(damaged, capsys):
     assert "is one checkpoint, not a checkpoint root" in err and f"resilience status {damaged}" in err
 
 
+def test_status_of_an_empty_argument_is_a_usage_error_not_the_current_directory(capsys):
+    code, out, err = run_cli(capsys, "status", "")
+    assert code == 2 and out == "" and "CHECKPOINT_DIR: empty" in err
+
+
 def test_status_of_a_missing_directory_is_a_usage_error(tmp_path, capsys):
     code, out, err = run_cli(capsys, "status", str(tmp_path / "nope"))
     assert code == 2 and out == ""

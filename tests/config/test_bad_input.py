@@ -253,6 +253,7 @@ def test_bad_run_arguments_exit_2_naming_the_option_and_start_no_rank(tmp_path, 
 # -- resilience template -------------------------------------------------------------------------------
 TEMPLATE_ARGS = [
     ("nodes-zero", ["slurm.nodes=0"], ["slurm.nodes: must be >= 1, got 0"]),
+    ("job-name-with-space", ["slurm.job_name=a b"], ["slurm.job_name: 'a b' holds whitespace"]),
     ("time-not-slurm", ["slurm.time=1h"], ["slurm.time: '1h' is not a Slurm time; accepted: MM, MM:SS, HH:MM:SS"]),
     ("unknown-launcher", ["slurm.launcher=mpirun"], ["slurm.launcher: 'mpirun'; accepted: resilience, srun, torchrun"]),
     ("unknown-requeue-mode", ["slurm.requeue=never"], ["slurm.requeue: 'never'; accepted: requeue, resubmit"]),
