@@ -6,7 +6,15 @@ skipping the batches already consumed, which is exact for map-style datasets and
 over those batches. For the replay to draw the same order, the torch RNG state from just before
 the epoch's iterator was created is saved too (``epoch_rng``) and set again before the replayed
 ``iter()``: a shuffling sampler without ``set_epoch`` (``DataLoader(shuffle=True)``) draws its
-seed from the global RNG there, which by a later epoch training has moved on.
+seed from the global RNG there, which by a later epoch training has moved on. So are the states
+of the loader's own generators (``epoch_generators``: ``DataLoader(generator=g)``, a sampler's
+``generator``), which a shuffling sampler given one draws from instead and which move on every
+epoch too. A ``DataLoader`` with ``persistent_workers`` creates its iterator (drawing the
+workers' base seed, then the order) only in its first epoch and resets it after, drawing only
+the order (``epoch_reset_workers``): a replay of such a later epoch first starts the workers,
+then sets the saved states and resets, so it draws what the original reset drew. Randomness
+inside persistent workers (their own RNG, carried across epochs) is not replayed; a
+``StatefulDataLoader`` saves it.
 """
 
 from __future__ import annotations
@@ -21,8 +29,11 @@ import torch
 
 from resilience.state import tagged_json
 
-# loader -> the torch RNG state just before its current epoch's iterator was created
-_EPOCH_RNG: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+# loader -> what its current epoch's iterator was created from: {"rng": torch RNG state,
+# "generators": {path: state} of the loader's own generators, "reset": persistent workers reset}
+_EPOCH_START: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+# where a DataLoader keeps generators a shuffle draws from (one object may sit in several)
+_GENERATOR_PATHS = ("generator", "sampler.generator", "batch_sampler.sampler.generator")
 
 
 def _encode(obj: Any) -> Any:
@@ -65,8 +76,13 @@ def data_position_json(loader: Any, batches_in_epoch: int) -> str:
     """
     try:
         state: dict[str, Any] = {"batches_in_epoch": batches_in_epoch, "loader": _encode(loader.state_dict()) if is_stateful(loader) else None}
-        if not is_stateful(loader) and _epoch_rng(loader) is not None:
-            state["epoch_rng"] = _encode(_epoch_rng(loader))
+        start = _epoch_start(loader) if not is_stateful(loader) else None
+        if start is not None:
+            state["epoch_rng"] = _encode(start["rng"])
+            if start["generators"]:
+                state["epoch_generators"] = {path: _encode(g) for path, g in start["generators"].items()}
+            if start["reset"]:
+                state["epoch_reset_workers"] = True
         return json.dumps(state)
     except TypeError as exc:
         raise TypeError(f"dataloader.state_dict() must be JSON-serialisable to be checkpointed: {exc}") from exc
@@ -93,9 +109,7 @@ def resume_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterat
     if is_stateful(loader) and position.get("loader") is not None:
         loader.load_state_dict(_decode(position["loader"]))
         return iter(loader)
-    if position.get("epoch_rng") is not None:
-        torch.set_rng_state(_decode(position["epoch_rng"]))  # the draws of the original iter()
-    iterator = _iter(loader)
+    iterator = _replay_iter(loader, position)
     for _ in range(int(position["batches_in_epoch"])):
         next(iterator)
     return iterator
@@ -110,26 +124,54 @@ def epoch_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterato
     if position is not None:
         length = loader_length(loader)
         if length is not None and position["batches_in_epoch"] >= length:
-            if position.get("epoch_rng") is not None:
-                torch.set_rng_state(_decode(position["epoch_rng"]))
-            _iter(loader)
+            _replay_iter(loader, position)
             return iter(())
     return resume_iterator(loader, position)
 
 
+def _replay_iter(loader: Iterable, position: dict[str, Any]) -> Iterator:
+    """``iter(loader)`` drawing what the saving run's ``iter()`` of this epoch drew (see the module doc)."""
+    if position.get("epoch_reset_workers") and getattr(loader, "_iterator", None) is None:
+        iter(loader)  # start the persistent workers, as an earlier epoch had; the iter() below resets them
+    if position.get("epoch_rng") is not None:
+        torch.set_rng_state(_decode(position["epoch_rng"]))
+    generators = _generators(loader)
+    for path, state in (position.get("epoch_generators") or {}).items():
+        if path in generators:
+            generators[path].set_state(_decode(state))
+    return _iter(loader)
+
+
 def _iter(loader: Iterable) -> Iterator:
-    """``iter(loader)``, remembering the torch RNG state it started from (see the module doc)."""
+    """``iter(loader)``, remembering what it started from (see the module doc)."""
     if not is_stateful(loader):
+        start = {
+            "rng": torch.get_rng_state(),
+            "generators": {path: g.get_state() for path, g in _generators(loader).items()},
+            "reset": bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "_iterator", None) is not None,
+        }
         try:
-            _EPOCH_RNG[loader] = torch.get_rng_state()
+            _EPOCH_START[loader] = start
         except TypeError:  # not weak-referenceable (a list of batches): nothing to shuffle
             pass
     return iter(loader)
 
 
-def _epoch_rng(loader: Any) -> torch.Tensor | None:
+def _generators(loader: Any) -> dict[str, torch.Generator]:
+    """The loader's own generators by attribute path (:data:`_GENERATOR_PATHS`), each object once."""
+    found: dict[str, torch.Generator] = {}
+    for path in _GENERATOR_PATHS:
+        obj = loader
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+        if isinstance(obj, torch.Generator) and all(obj is not g for g in found.values()):
+            found[path] = obj
+    return found
+
+
+def _epoch_start(loader: Any) -> dict[str, Any] | None:
     try:
-        return _EPOCH_RNG.get(loader)
+        return _EPOCH_START.get(loader)
     except TypeError:
         return None
 

@@ -1,25 +1,38 @@
 """A plain shuffled ``DataLoader`` (no ``set_epoch``, not stateful) resumes in a later epoch with
 the same batch order as an uninterrupted run: the replay re-creates the epoch's iterator from the
-RNG state the original one started from."""
+RNG state the original one started from, the states of the loader's own generator, and, with
+persistent workers, as a reset of workers started earlier (as the original's later epochs are)."""
 
 from __future__ import annotations
 
 import os
 import signal
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from resilience import ExitCode, resilient_loop
 
+LOADERS = {
+    "plain": {},
+    # a seeded generator, as PyTorch's reproducibility notes advise: the shuffle draws from it, not the global RNG
+    "generator": {"generator": "seeded"},
+    # persistent workers: iter() creates the workers in epoch 0 only and resets them after
+    "persistent-workers": {"num_workers": 2, "persistent_workers": True},
+}
 
-def run(root, stop_at=None) -> tuple[int, dict[int, list[int]], dict[int, float]]:
+
+def run(root, stop_at=None, kind="plain") -> tuple[int, dict[int, list[int]], dict[int, float]]:
     """A fresh 'process': seed, build, train (dropout moves the RNG); returns the exit code and
     the sample indices and loss seen at each step."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True)
+    options = dict(LOADERS[kind])
+    if options.get("generator") == "seeded":
+        options["generator"] = torch.Generator().manual_seed(5)
+    loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True, **options)
     cfg = {"step_scheduler": {"num_epochs": 3, "preemption_signal": "SIGTERM"}, "checkpoint": {"checkpoint_dir": str(root)}}
     seen, losses = {}, {}
     loop = resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=loader)
@@ -37,12 +50,13 @@ def run(root, stop_at=None) -> tuple[int, dict[int, list[int]], dict[int, float]
     return loop.exit_code, seen, losses
 
 
-def test_a_plain_shuffled_dataloader_resumes_in_a_later_epoch_with_the_same_order(tmp_path):
-    code, reference, ref_losses = run(tmp_path / "reference")
+@pytest.mark.parametrize("kind", list(LOADERS))
+def test_a_plain_shuffled_dataloader_resumes_in_a_later_epoch_with_the_same_order(tmp_path, kind):
+    code, reference, ref_losses = run(tmp_path / "reference", kind=kind)
     assert code == ExitCode.DONE and len(reference) == 30
-    code, first, _ = run(tmp_path / "ck", stop_at=14)  # epoch 1, 4 batches in
+    code, first, _ = run(tmp_path / "ck", stop_at=14, kind=kind)  # epoch 1, 4 batches in
     assert code == ExitCode.PREEMPTED and max(first) == 14
-    code, resumed, losses = run(tmp_path / "ck")
+    code, resumed, losses = run(tmp_path / "ck", kind=kind)
     assert code == ExitCode.DONE and min(resumed) == 15
     assert {s: reference[s] for s in resumed} == resumed  # same samples in the same order
     assert {s: ref_losses[s] for s in losses} == losses  # and the same training (bitwise)
