@@ -111,12 +111,22 @@ class ResilientLoop:
         return False
 
     def close(self) -> None:
-        """End the loop early: restores signal handlers and drains the agreement (no save)."""
+        """End the loop early: restores signal handlers and drains the agreement (no save).
+
+        A loop left before it ended (``break``, an exception, never iterated) exits
+        ``ExitCode.FAILED`` (1), and the requeue-loop guard counts the start as failed; to stop
+        training early and cleanly, set ``step_scheduler.max_steps`` instead."""
+        step = self._current_step()
         if self._generator is not None:
             self._generator.close()
         self.progress.close()  # never iterated: the watchdog must not wait for its first step
         if self.exit_code is None:
             self.exit_code = ExitCode.FAILED
+            log.warning(
+                "resilient_loop: left at step %d before it ended (break, an exception, or never iterated): exit code %d (FAILED), no save",
+                step,
+                int(ExitCode.FAILED),
+            )
 
     def log(self, **metrics: Any) -> None:
         """Record metrics of the current step (rank 0 appends them to ``training.jsonl``; the rows

@@ -3,6 +3,7 @@ a preemption signal ends it with a checkpoint of the stop step, and finished run
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -192,6 +193,17 @@ def test_finished_run_saves_final_checkpoint_and_a_rerun_yields_nothing(tmp_path
     assert again.exit_code == ExitCode.DONE
     assert again.resumed_from == root / "epoch_1_step_10"
     assert sorted(p.name for p in root.glob("epoch_*")) == ["epoch_1_step_10"], "no new checkpoint"
+
+
+def test_a_break_out_of_the_loop_exits_failed_and_says_so(tmp_path, caplog):
+    loop, model, optimizer = make_loop(tmp_path / "ck", num_epochs=2)
+    with caplog.at_level(logging.WARNING, logger="resilience"), loop:
+        for step in loop:
+            train_step(model, optimizer, step.batch)
+            if step.global_step == 3:
+                break
+    assert loop.exit_code == ExitCode.FAILED
+    assert "left at step 3 before it ended (break" in caplog.text and "no save" in caplog.text
 
 
 @pytest.mark.parametrize(
