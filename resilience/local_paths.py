@@ -10,6 +10,7 @@ Only the standard library is imported here.
 
 from __future__ import annotations
 
+import os
 import re
 from urllib.parse import unquote, urlsplit
 
@@ -27,13 +28,17 @@ def local_path(text: str, key: str) -> str:
     """``text`` as a local filesystem path.
 
     A ``file://`` URL with an empty or ``localhost`` host is its (percent-decoded) absolute path;
-    anything that is not a ``scheme://`` URL (nor ``file:`` without ``//``) is returned unchanged.
+    a leading ``~`` or ``~user`` is expanded as a shell would (``os.path.expanduser``: a YAML value
+    or an override in quotes reaches us unexpanded, and would become a folder named ``~``);
+    anything else that is not a ``scheme://`` URL (nor ``file:`` without ``//``) is returned unchanged.
 
     Raises:
         NotALocalPath: ``text`` is a URL of another scheme (``s3://``, ``gs://``, ``hdfs://``, ...),
             a ``file://`` URL naming another host or no path, or ``file:`` without ``//``; the message
             names ``key``.
     """
+    if text.startswith("~"):
+        return os.path.expanduser(text)
     match = URL.match(text)
     if match is None:
         if text[:5].lower() == "file:":  # file:relative or file:/abs: a URL missing its //, not a folder "file:"

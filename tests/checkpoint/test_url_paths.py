@@ -64,6 +64,17 @@ def test_a_file_url_is_the_local_path_it_names_and_no_folder_called_file_is_made
     assert (cfg.checkpoint.checkpoint_dir, cfg.checkpoint.restore_from) == ("/scratch/ck", "/scratch/ck/epoch_0_step_2")
 
 
+def test_a_home_relative_path_is_expanded_and_no_folder_called_tilde_is_made(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    error, ran = attempt({"checkpoint": {"checkpoint_dir": "~/ck"}})
+    assert error is None and ran == [1, 2, 3, 4]
+    assert (tmp_path / "home" / "ck" / "LATEST").exists() and os.listdir(work) == []
+    assert load_config(None, ["slurm.output=~/logs/%j.out"]).slurm.output == str(tmp_path / "home" / "logs" / "%j.out")
+
+
 @pytest.mark.parametrize("text", ["file://otherhost/ck", "file://relative/ck", "file:relative/ck", "FILE:/abs/ck"])
 def test_a_file_url_naming_another_host_is_refused(text):
     with pytest.raises(ConfigError, match=r"checkpoint\.checkpoint_dir=.*file:///path"):
