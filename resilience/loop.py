@@ -130,9 +130,22 @@ class ResilientLoop:
 
     def log(self, **metrics: Any) -> None:
         """Record metrics of the current step (rank 0 appends them to ``training.jsonl``; the rows
-        since the previous checkpoint also go into the next checkpoint's ``losses.json``)."""
+        since the previous checkpoint also go into the next checkpoint's ``losses.json``).
+
+        Values are JSON numbers, strings, ... ; a one-element tensor is taken as its ``item()``
+        (as Lightning's ``self.log`` takes a loss tensor).
+
+        Raises:
+            TypeError: a value JSON cannot hold (a tensor of several elements, an object), naming its key.
+        """
         if self.ctx.rank != 0 or not self.config.checkpoint.enabled or not self.config.checkpoint.enable_save:
             return
+        metrics = {k: v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in metrics.items()}
+        for key, value in metrics.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"loop.log({key}=...): {exc}; log numbers, strings, or one-element tensors") from None
         row = {"global_step": self._current_step(), "epoch": self.scheduler.epoch, **metrics}
         self.checkpointer.root.mkdir(parents=True, exist_ok=True)
         with open(self.checkpointer.root / TRAINING_LOG, "a") as fh:

@@ -3,6 +3,7 @@ a preemption signal ends it with a checkpoint of the stop step, and finished run
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -193,6 +194,19 @@ def test_finished_run_saves_final_checkpoint_and_a_rerun_yields_nothing(tmp_path
     assert again.exit_code == ExitCode.DONE
     assert again.resumed_from == root / "epoch_1_step_10"
     assert sorted(p.name for p in root.glob("epoch_*")) == ["epoch_1_step_10"], "no new checkpoint"
+
+
+def test_log_takes_a_loss_tensor_as_its_item_and_names_the_key_of_a_value_json_cannot_hold(tmp_path):
+    root = tmp_path / "ck"
+    loop, model, optimizer = make_loop(root, max_steps=1)
+    with loop:
+        for step in loop:
+            loss = model(step.batch).pow(2).mean()
+            loop.log(loss=loss.detach())
+            with pytest.raises(TypeError, match=r"loop.log\(weights=\.\.\.\)"):
+                loop.log(weights=torch.zeros(3))
+    rows = [json.loads(line) for line in (root / "training.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] == pytest.approx(loss.item()) and "weights" not in rows[0]
 
 
 def test_a_break_out_of_the_loop_exits_failed_and_says_so(tmp_path, caplog):
