@@ -17,7 +17,6 @@ loop ends with ``ExitCode.PREEMPTED``.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ from resilience.checkpoint.policy.lowest_val import append_jsonl
 from resilience.config import ResilienceConfig, config_from_dict
 from resilience.distributed import DistContext, collective_timeout_s
 from resilience.exit_codes import ExitCode
-from resilience.metrics_log import truncate_logs
+from resilience.metrics_log import training_row, truncate_logs
 from resilience.progress import ProgressReporter
 from resilience.slurm.job import run_id_from_env, signal_reach_warning
 from resilience.state.accumulation import micro_batches
@@ -111,45 +110,27 @@ class ResilientLoop:
         return False
 
     def close(self) -> None:
-        """End the loop early: restores signal handlers and drains the agreement (no save).
-
-        A loop left before it ended (``break``, an exception, never iterated) exits
-        ``ExitCode.FAILED`` (1), and the requeue-loop guard counts the start as failed; to stop
-        training early and cleanly, set ``step_scheduler.max_steps`` instead."""
+        """End the loop early: restores signal handlers and drains the agreement (no save). Left
+        before its end (``break``, an exception), it exits ``FAILED`` (1); stop early with ``max_steps``."""
         step = self._current_step()
         if self._generator is not None:
             self._generator.close()
         self.progress.close()  # never iterated: the watchdog must not wait for its first step
         if self.exit_code is None:
             self.exit_code = ExitCode.FAILED
-            log.warning(
-                "resilient_loop: left at step %d before it ended (break, an exception, or never iterated): exit code %d (FAILED), no save",
-                step,
-                int(ExitCode.FAILED),
-            )
+            log.warning("resilient_loop: left at step %d before it ended (break, an exception, or never iterated): exit code 1 (FAILED), no save", step)
 
     def log(self, **metrics: Any) -> None:
         """Record metrics of the current step (rank 0 appends them to ``training.jsonl``; the rows
-        since the previous checkpoint also go into the next checkpoint's ``losses.json``).
-
-        Values are JSON numbers, strings, ... ; a one-element tensor is taken as its ``item()``
-        (as Lightning's ``self.log`` takes a loss tensor).
+        since the previous checkpoint also go into the next checkpoint's ``losses.json``), as
+        :func:`~resilience.metrics_log.training_row` takes them (a loss tensor as its ``item()``).
 
         Raises:
-            TypeError: a value JSON cannot hold (a tensor of several elements, an object), naming its key.
-        """
+            TypeError: a value JSON cannot hold, naming its key."""
         if self.ctx.rank != 0 or not self.config.checkpoint.enabled or not self.config.checkpoint.enable_save:
             return
-        metrics = {k: v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in metrics.items()}
-        for key, value in metrics.items():
-            try:
-                json.dumps(value)
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"loop.log({key}=...): {exc}; log numbers, strings, or one-element tensors") from None
-        row = {"global_step": self._current_step(), "epoch": self.scheduler.epoch, **metrics}
-        self.checkpointer.root.mkdir(parents=True, exist_ok=True)
-        with open(self.checkpointer.root / TRAINING_LOG, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        row = training_row(self._current_step(), self.scheduler.epoch, metrics)
+        append_jsonl(self.checkpointer.root / TRAINING_LOG, row)
         self.checkpointer.training_rows.append(row)
 
     def log_validation(self, **metrics: Any) -> None:
@@ -159,9 +140,8 @@ class ResilientLoop:
         this step (periodic, preemption or final) records them in its manifest; once it is
         published, ``LOWEST_VAL`` moves to it when its metric is the lowest so far. With one
         metric that one decides; with several, the one named ``checkpoint.best_metric_key``.
-        NaN/Inf never become the best. Call it inside a step's body (``step.is_val_step`` says
-        when), on rank 0 at least: other ranks' calls are ignored. Values may be floats or
-        one-element tensors.
+        NaN/Inf never become the best. Call it inside a step's body (``step.is_val_step`` says when),
+        on rank 0 at least: other ranks' calls are ignored. Values may be floats or one-element tensors.
 
         Raises:
             ValueError: no metric, or several and none named ``checkpoint.best_metric_key``.
@@ -388,8 +368,7 @@ def resilient_loop(
         config: a :class:`ResilienceConfig`, plain data in the YAML layout, or ``None`` (defaults).
         model: the module being trained (plain, DDP, or sharded: FSDP2, tensor parallel, 2-D
             meshes); saved as safetensors, each rank writing its own shards.
-        optimizer: optional; saved as safetensors files when every rank holds its state in full
-            (plain, DDP), else via DCP (sharded state, resharded on resume).
+        optimizer: optional; saved as safetensors when every rank holds its full state (plain, DDP), else via DCP.
         lr_scheduler: anything with a JSON-able ``state_dict()`` (optional).
         dataloader: iterable of batches; a ``StatefulDataLoader`` or any loader whose sampler
             has ``set_epoch`` (``DistributedSampler``) resumes mid-epoch exactly.

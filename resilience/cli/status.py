@@ -198,14 +198,14 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
         elif kind == "abandoned":
             _, problem, meta = _check(path, deep)
             state = "abandoned"
+            why = "another timeline's checkpoint, moved aside after a rollback"
             if (path / BAD_MARKER).exists():
-                entry["marked_bad"] = _relative(first_line(path / BAD_MARKER), root)
-                problem = problem or "marked bad, moved aside when its step was saved again (never resumed or pruned; delete it when not needed)"
-            problem = problem or "another timeline's checkpoint, moved aside after a rollback (never resumed or pruned; delete it when not needed)"
+                why = "marked bad, moved aside when its step was saved again"
+            problem = problem or f"{why} (never resumed or pruned; delete it when not needed)"
         else:
             state, problem, meta = _check(path, deep)
-            if (path / BAD_MARKER).exists():
-                entry["marked_bad"] = _relative(first_line(path / BAD_MARKER), root)
+        if kind in ("checkpoint", "abandoned") and (path / BAD_MARKER).exists():
+            entry["marked_bad"] = _relative(first_line(path / BAD_MARKER), root)
         entry["state"] = "marked bad" if entry["marked_bad"] is not None else state
         entry["checked_state"] = state
         entry["problem"] = _relative(problem, root) if problem else None

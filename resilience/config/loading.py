@@ -81,7 +81,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             node = child
         if not text.strip():
             raise ConfigError(f"override {item!r}: empty value; write {key}=null for null, or {key}=VALUE")
-        node[parts[-1]] = parse_value(text)
+        node[parts[-1]] = _parse_value(text)
     return data
 
 
@@ -134,7 +134,7 @@ _Yaml12NumbersLoader.add_implicit_resolver(
 )
 
 
-def parse_value(text: str) -> Any:
+def _parse_value(text: str) -> Any:
     """One override's value as YAML (``[USR1, 15]``, ``null``, ``3``, ``1e-4``), base-60 aside:
     ``12:00:00`` stays the text typed (:class:`_Yaml12NumbersLoader`)."""
     return yaml.load(text, Loader=_Yaml12NumbersLoader)  # noqa: S506 - a SafeLoader subclass
