@@ -373,7 +373,7 @@ def resilient_loop(
         dataloader: iterable of batches; a ``StatefulDataLoader`` or any loader whose sampler
             has ``set_epoch`` (``DistributedSampler``) resumes mid-epoch exactly.
         extra_state: name -> object with ``state_dict()``/``load_state_dict()`` (NeMo's "Save
-            Additional States"); its state may hold tensors, numbers, strings and containers.
+            Additional States"); its state may hold tensors, NumPy arrays, numbers, strings and containers.
         tokenizer: a Hugging Face tokenizer; its files are saved with the model (optional).
 
     Returns a :class:`ResilientLoop`; iterate it for :class:`Step` objects, then exit with
@@ -382,13 +382,13 @@ def resilient_loop(
     destroyed (see :mod:`resilience.teardown`): scripts need no teardown lines of their own.
 
     Raises:
+        TypeError / ValueError: an object that cannot be checkpointed (see :class:`TrainingState`).
         ConfigError: invalid configuration (before any training), including a
             ``checkpoint.restore_from`` or ``checkpoint.load_path`` that names no existing path
             (``load_path`` only while ``checkpoint_dir`` has no ``LATEST``).
-        CheckpointNotFound: ``checkpoint.restore_from`` or ``load_path`` exists but holds no valid
-            checkpoint (at iteration start).
-        CheckpointCorrupted: every checkpoint to resume from was corrupt and one was partly
-            loaded (at iteration start); run again to start from scratch.
+        CheckpointNotFound: ``checkpoint.restore_from`` or ``load_path`` exists but holds no valid checkpoint (at iteration start).
+        CheckpointCorrupted: every checkpoint to resume from was corrupt and one was partly loaded
+            (at iteration start); run again to start from scratch.
         CheckpointSaveError: a save failed on any rank (raised on every rank).
     """
     if not isinstance(config, ResilienceConfig):

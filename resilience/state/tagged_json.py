@@ -8,6 +8,11 @@
 ``{"__items__": [[key, value], ...]}`` a dict with a key that is not a string (or whose one key is
                                        a tag)
 ``{"__float__": "nan"}``               a non-finite float (strict JSON has no NaN/Inf)
+``{"__ndarray__": ref}``               a NumPy array, stored as the tensor ``torch.from_numpy`` makes
+                                       of it (``ref`` as for a tensor) and given back as an array
+``{"__numpy__": [dtype, value]}``      a NumPy scalar (``np.float32(0.5)``): its dtype's name and
+                                       its value, given back with that dtype (exactly: every NumPy
+                                       number converts to a Python one and back without loss)
 =====================================  ===========================================================
 
 Anything else (``None``, booleans, numbers, strings, lists, string-keyed dicts) is itself, and
@@ -18,6 +23,7 @@ safetensors file beside it) and by the data position (``dataloader/rank_<R>.json
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,18 +33,31 @@ TENSOR = "__tensor__"
 TUPLE = "__tuple__"
 ITEMS = "__items__"
 FLOAT = "__float__"
-_TAGS = (TENSOR, TUPLE, ITEMS, FLOAT)
+NDARRAY = "__ndarray__"
+NUMPY = "__numpy__"
+_TAGS = (TENSOR, TUPLE, ITEMS, FLOAT, NDARRAY, NUMPY)
 
 
 def encode(obj: Any, tensor: Callable[[torch.Tensor], Any], where: str) -> Any:
     """``obj`` as JSON-able data; each tensor becomes ``{"__tensor__": tensor(t)}``.
 
     Raises:
-        TypeError: a value that is not a tensor, number, string, bool, None or container of these
-            (the message names where it is: ``where`` and the path below it, e.g. ``extra.ema.shadow[2]``).
+        TypeError: a value that is not a tensor, NumPy array, number, string, bool, None or
+            container of these (the message names where it is: ``where`` and the path below it,
+            e.g. ``extra.ema.shadow[2]``).
     """
     if isinstance(obj, torch.Tensor):
         return {TENSOR: tensor(obj)}
+    np = sys.modules.get("numpy")  # a NumPy value exists only where NumPy was imported
+    # Before float: np.float64 is a float subclass and would come back as a plain float.
+    if np is not None and isinstance(obj, np.ndarray):
+        try:
+            as_tensor = torch.from_numpy(np.ascontiguousarray(obj))
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{where}: a NumPy array of dtype {obj.dtype} cannot be checkpointed ({exc})") from None
+        return {NDARRAY: tensor(as_tensor)}
+    if np is not None and isinstance(obj, np.number | np.bool_):
+        return {NUMPY: [obj.dtype.name, encode(obj.item(), tensor, where)]}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {FLOAT: repr(obj)}
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -52,8 +71,8 @@ def encode(obj: Any, tensor: Callable[[torch.Tensor], Any], where: str) -> Any:
             return {k: encode(v, tensor, f"{where}.{k}") for k, v in obj.items()}
         return {ITEMS: [[encode(k, tensor, where), encode(v, tensor, f"{where}[{k!r}]")] for k, v in obj.items()]}
     raise TypeError(
-        f"{where}: {type(obj).__name__} cannot be checkpointed; a state_dict() may hold tensors, numbers, "
-        "strings, booleans, None, and lists/tuples/dicts of these"
+        f"{where}: {type(obj).__name__} cannot be checkpointed; a state_dict() may hold tensors, NumPy arrays, "
+        "numbers (NumPy's too), strings, booleans, None, and lists/tuples/dicts of these"
     )
 
 
@@ -72,6 +91,13 @@ def decode(obj: Any, tensor: Callable[[Any], torch.Tensor]) -> Any:
                 return {decode(k, tensor): decode(v, tensor) for k, v in value}
             if tag == FLOAT:
                 return float(value)
+            if tag == NDARRAY:
+                return tensor(value).numpy()
+            if tag == NUMPY:
+                import numpy as np  # only a state that held NumPy values gets here
+
+                dtype, item = value
+                return np.dtype(dtype).type(decode(item, tensor))
         return {k: decode(v, tensor) for k, v in obj.items()}
     return obj
 

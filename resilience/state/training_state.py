@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from typing import Any
 
 import torch
+
+from resilience.state import tagged_json
+
+# An extra state's name becomes a file name (extra/<name>.json): no separators, no leading dot.
+_EXTRA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 @dataclasses.dataclass
@@ -13,8 +20,17 @@ class TrainingState:
     """The objects a checkpoint captures. Any may be ``None`` except ``model``.
 
     ``extra`` maps a name to any object with ``state_dict()``/``load_state_dict()`` whose state
-    holds tensors, numbers, strings and containers of these (saved by rank 0 as
+    holds tensors, NumPy arrays, numbers, strings and containers of these (saved by rank 0 as
     ``extra/<name>.json`` plus ``extra/<name>.safetensors`` for its tensors).
+
+    Raises (at construction, so a bad object fails before any training rather than at the first
+    save, where a preemption's save would be lost):
+        TypeError: ``model`` is not a ``torch.nn.Module``; ``optimizer``, ``lr_scheduler`` or an
+            ``extra`` value lacks ``state_dict()``/``load_state_dict()``; the ``lr_scheduler``'s
+            state is not JSON; an ``extra`` state holds a value that cannot be checkpointed (the
+            message names where, e.g. ``extra.ema.shadow[2]``).
+        ValueError: an ``extra`` name that cannot be a file name (accepted: letters, digits,
+            ``_``, ``.``, ``-``, not starting with ``.`` or ``-``).
     """
 
     model: torch.nn.Module
@@ -24,3 +40,31 @@ class TrainingState:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     tokenizer: Any = None
     """A Hugging Face tokenizer (anything with ``save_pretrained``): its files go next to the model."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(self.model).__name__}")
+        _check_stateful("optimizer", self.optimizer)
+        if _check_stateful("lr_scheduler", self.lr_scheduler):
+            try:
+                json.dumps(self.lr_scheduler.state_dict())
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"lr_scheduler: its state_dict() must be JSON to be checkpointed ({exc})") from None
+        for name, obj in self.extra.items():
+            if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name):
+                raise ValueError(
+                    f"extra_state: the name {name!r} cannot be a file name (extra/<name>.json); use letters, digits, "
+                    "'_', '.' and '-', not starting with '.' or '-'"
+                )
+            _check_stateful(f"extra_state[{name!r}]", obj)
+            tagged_json.encode(obj.state_dict(), lambda tensor: None, f"extra.{name}")  # raises naming the value
+
+
+def _check_stateful(what: str, obj: Any) -> bool:
+    """True for an object with callable ``state_dict``/``load_state_dict``, False for None."""
+    if obj is None:
+        return False
+    for method in ("state_dict", "load_state_dict"):
+        if not callable(getattr(obj, method, None)):
+            raise TypeError(f"{what}: a {type(obj).__name__} has no {method}() to checkpoint it with")
+    return True

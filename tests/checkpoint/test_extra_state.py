@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,20 +85,106 @@ def test_plain_json_extra_state_of_older_checkpoints_still_loads(tmp_path):
     assert load_extra_state(tmp_path, "counter") == {"n": 4, "names": ["a"]}
 
 
-def test_an_unsupported_value_names_where_it_is(tmp_path):
+class Bad:
+    """An extra state that holds what cannot be saved once ``bad`` is set (an object, by default)."""
+
+    def __init__(self, bad=None):
+        self.bad = object() if bad is None else bad
+
+    def state_dict(self):
+        return {"inner": {"value": self.bad}}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _loop(tmp_path, **kw):
+    cfg = {"step_scheduler": {"max_steps": 1}, "checkpoint": {"checkpoint_dir": str(tmp_path / "ck")}}
+    return resilient_loop(cfg, model=torch.nn.Linear(2, 1), dataloader=BATCHES, **kw)
+
+
+def test_an_unsupported_value_names_where_it_is_at_resilient_loop_before_any_training(tmp_path):
     with pytest.raises(TypeError, match=r"extra\.bad\.inner\.fn: function"):
         save_extra_state(tmp_path, "bad", {"inner": {"fn": lambda: 0}})
+    with pytest.raises(TypeError, match=r"extra\.bad\.inner\.value: object cannot be checkpointed"):
+        _loop(tmp_path, extra_state={"bad": Bad()})
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").glob("epoch_*"))
 
-    class Bad:
+
+def test_state_that_turns_unsavable_later_fails_its_save_naming_it(tmp_path):
+    bad = Bad(bad=1)
+    with pytest.raises(CheckpointSaveError, match=r"extra\.bad\.inner\.value: set"):
+        with _loop(tmp_path, extra_state={"bad": bad}) as loop:
+            for _ in loop:
+                bad.bad = {1, 2}
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"extra_state": {"ema/1": Bad(1)}}, ValueError, r"extra_state: the name 'ema/1' cannot be a file name"),
+        ({"extra_state": {".hidden": Bad(1)}}, ValueError, r"'\.hidden' cannot be a file name"),
+        ({"extra_state": {"counter": 3}}, TypeError, r"extra_state\['counter'\]: a int has no state_dict\(\)"),
+        ({"lr_scheduler": object()}, TypeError, r"lr_scheduler: a object has no state_dict\(\)"),
+        ({"optimizer": "sgd"}, TypeError, r"optimizer: a str has no state_dict\(\)"),
+    ],
+)
+def test_objects_that_cannot_be_checkpointed_are_refused_at_resilient_loop(tmp_path, kw, error, match):
+    with pytest.raises(error, match=match):
+        _loop(tmp_path, **kw)
+
+
+def test_an_lr_scheduler_whose_state_is_not_json_is_refused_at_resilient_loop(tmp_path):
+    class Scheduler:
         def state_dict(self):
-            return {"obj": object()}
+            return {"lr": torch.tensor(0.1)}
 
         def load_state_dict(self, state):
             pass
 
-    model = torch.nn.Linear(2, 1)
-    cfg = {"step_scheduler": {"max_steps": 1}, "checkpoint": {"checkpoint_dir": str(tmp_path / "ck")}}
-    with pytest.raises(CheckpointSaveError, match="extra.bad"):
-        with resilient_loop(cfg, model=model, dataloader=BATCHES, extra_state={"bad": Bad()}) as loop:
-            for _ in loop:
-                pass
+    with pytest.raises(TypeError, match=r"lr_scheduler: its state_dict\(\) must be JSON"):
+        _loop(tmp_path, lr_scheduler=Scheduler())
+
+
+class NumpyStats:
+    """Running statistics kept in NumPy, as many training scripts keep them."""
+
+    def __init__(self):
+        self.count = np.int64(0)
+        self.mean = np.float32(0.0)
+        self.seen = np.bool_(False)
+        self.hist = np.zeros((2, 3), dtype=np.float32)
+
+    def update(self, batch: torch.Tensor) -> None:
+        self.count += np.int64(1)
+        self.mean = np.float32(self.mean + (np.float32(batch.mean().item()) - self.mean) / np.float32(self.count))
+        self.seen = np.bool_(True)
+        self.hist = (self.hist * np.float32(0.7) + np.float32(self.count)).T.copy().T  # an F-ordered array
+
+    def state_dict(self):
+        return {"count": self.count, "mean": self.mean, "seen": self.seen, "hist": self.hist, "pair": (np.float64(0.1), np.nan)}
+
+    def load_state_dict(self, state):
+        self.count, self.mean, self.seen, self.hist = state["count"], state["mean"], state["seen"], state["hist"]
+
+
+def _numpy_run(root, max_steps):
+    stats = NumpyStats()
+    cfg = {"step_scheduler": {"max_steps": max_steps, "ckpt_every_steps": 1}, "checkpoint": {"checkpoint_dir": str(root)}}
+    with resilient_loop(cfg, model=torch.nn.Linear(2, 1), dataloader=BATCHES, extra_state={"stats": stats}) as loop:
+        for step in loop:
+            stats.update(step.batch)
+    return stats
+
+
+def test_numpy_scalars_and_arrays_come_back_with_their_dtypes_and_values(tmp_path):
+    straight = _numpy_run(tmp_path / "straight", 5)
+    _numpy_run(tmp_path / "ck", 3)
+    resumed = _numpy_run(tmp_path / "ck", 5)
+    for name in ("count", "mean", "seen"):
+        got, want = getattr(resumed, name), getattr(straight, name)
+        assert type(got) is type(want) and got == want, name
+    assert isinstance(resumed.hist, np.ndarray) and resumed.hist.dtype == np.float32
+    assert np.array_equal(resumed.hist, straight.hist)
+    saved = load_extra_state(tmp_path / "ck" / "epoch_0_step_3", "stats")
+    assert type(saved["pair"][0]) is np.float64 and saved["pair"][0] == 0.1 and np.isnan(saved["pair"][1])
