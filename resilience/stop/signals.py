@@ -91,7 +91,15 @@ def _from_number(number: int, item: Any, key: str) -> signal.Signals:
     try:
         sig = signal.Signals(number)
     except ValueError:
-        raise ValueError(f"{key}: unknown signal {item!r}; {_ACCEPTED}") from None
+        rtmin, rtmax = getattr(signal, "SIGRTMIN", None), getattr(signal, "SIGRTMAX", None)
+        if rtmin is not None and rtmin < number < rtmax:
+            # Python names only the first and the last real-time signal; the ones between have
+            # no signal.Signals member to record them by.
+            raise ValueError(
+                f"{key}: {item!r} is the real-time signal SIGRTMIN+{number - rtmin}, which is not supported; of the real-time "
+                f"signals use SIGRTMIN ({int(rtmin)}) or SIGRTMAX ({int(rtmax)}); {_ACCEPTED}"
+            ) from None
+        raise ValueError(f"{key}: {item!r} is not a signal number on this platform (1 to {signal.NSIG - 1}); {_ACCEPTED}") from None
     return _catchable(sig, item, key)
 
 

@@ -95,7 +95,7 @@ CONFIGS = [
     ("signal-stop", {"step_scheduler": {"preemption_signal": "STOP"}}, [SIG, "cannot be caught", SIGNAL_FORMS]),
     ("signal-twice", {"step_scheduler": {"preemption_signal": ["USR1", "USR1"]}}, [SIG, "already in the list", SIGNAL_FORMS]),
     ("signal-zero", {"step_scheduler": {"preemption_signal": 0}}, [SIG, "positive", SIGNAL_FORMS]),
-    ("signal-out-of-range", {"step_scheduler": {"preemption_signal": 99999}}, [SIG, "unknown signal 99999", SIGNAL_FORMS]),
+    ("signal-out-of-range", {"step_scheduler": {"preemption_signal": 99999}}, [SIG, "99999 is not a signal number", SIGNAL_FORMS]),
     ("signal-float", {"step_scheduler": {"preemption_signal": 3.5}}, [SIG, "3.5 (float)", SIGNAL_FORMS]),
     ("signal-nested-list", {"step_scheduler": {"preemption_signal": [["USR1"]]}}, [SIG + "[0]", "nested list", SIGNAL_FORMS]),
 ]
