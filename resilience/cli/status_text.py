@@ -83,11 +83,13 @@ def format_status(doc: dict[str, Any]) -> str:
     lines += ["", f"Resume would pick: {resume['checkpoint'] or 'fresh start'}", f"  why: {resume['reason']}"]
     guard = doc.get("restart_guard")
     if guard is not None:
-        last = "; the last has not reported how it ended (still running, or crashed or killed): counted as failed" if guard["running"] else ""
+        # The guard counts a start that never reported how it ended as failed; so does this line.
+        failed = guard["failed"] + int(guard["running"])
+        last = ", counting the last start, which has not reported how it ended (still running, or crashed or killed)" if guard["running"] else ""
         lines.append(
             f"  starts in a row from {guard['resume_point'] or 'a fresh start'}: {guard['starts']} "
-            f"(failed: {guard['failed']}, limit {guard['limit']}; preempted cleanly before saving anything "
-            f"new: {guard['preempted']}, limit {guard['preemption_limit']}{last})"
+            f"(failed: {failed}{last}, limit {guard['limit']}; preempted cleanly before saving anything "
+            f"new: {guard['preempted']}, limit {guard['preemption_limit']})"
         )
         if guard["next_start_exits_no_progress"]:
             lines.append(f"  the next start exits 76 (NO_PROGRESS) at once: {guard['why']}; fix the cause, then delete {guard['file']}")

@@ -1,6 +1,7 @@
 """``resilience verify PATH``: every file's size and digest against its manifest, every failure reported.
 
-``PATH`` is a checkpoint directory or a checkpoint root (then every checkpoint in it). Only the
+``PATH`` is a checkpoint directory or a checkpoint root (then every published checkpoint in it;
+unpublished leftovers and checkpoints set aside after a rollback are listed as skipped). Only the
 standard library is imported at import time; the checkpoint modules and tqdm are imported
 inside the functions, so registering the command costs ``resilience run`` nothing.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import (
+    ABANDONED_INFIX,
     BAD_MARKER,
     BUNDLE_MANIFEST,
     MANIFEST,
@@ -31,15 +33,18 @@ from resilience.exit_codes import ExitCode
 HELP = "check every file's size and digest against the manifest of a checkpoint, or of every checkpoint under a root; exit 1 on any failure"
 
 
-def _targets(path: Path) -> tuple[list[Path], list[str]]:
-    """(checkpoint directories to verify, names of unpublished leftovers skipped)."""
+def _targets(path: Path) -> tuple[list[Path], list[str], list[str]]:
+    """(checkpoint directories to verify, names of unpublished leftovers skipped, names of
+    checkpoints set aside after a rollback, skipped: no run resumes from them)."""
     if (path / MANIFEST).exists() or parse_checkpoint_name(path.name) or path.name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
-        return [path], []
+        return [path], [], []
     found = list_checkpoints(path)
     if not found:
         raise UsageError(f"PATH {str(path)!r}: neither a checkpoint directory (no {MANIFEST}) nor a checkpoint root (no epoch_<E>_step_<S> directories in it)")
-    leftovers = sorted(c.name for c in path.iterdir() if c.is_dir() and c.name.startswith((STAGING_PREFIX, TRASH_PREFIX)))
-    return found, leftovers
+    children = sorted(c.name for c in path.iterdir() if c.is_dir() and not c.is_symlink())
+    leftovers = [name for name in children if name.startswith((STAGING_PREFIX, TRASH_PREFIX))]
+    set_aside = [name for name in children if ABANDONED_INFIX in name and parse_checkpoint_name(name.split(ABANDONED_INFIX)[0])]
+    return found, leftovers, set_aside
 
 
 def _check_files(directory: Path, files: dict[str, Any], result: dict[str, Any], advance: Callable[[int], object], prefix: str = "") -> None:
@@ -133,7 +138,7 @@ def verify_path(path: Path, *, progress: bool = True) -> dict[str, Any]:
 
     from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
 
-    directories, leftovers = _targets(path)
+    directories, leftovers, set_aside = _targets(path)
     manifests: list[tuple[Path, dict[str, Any] | None, str | None]] = []
     for directory in directories:
         try:
@@ -147,7 +152,8 @@ def verify_path(path: Path, *, progress: bool = True) -> dict[str, Any]:
         for directory, manifest, error in manifests:
             bar.set_description(directory.name)
             results.append(verify_checkpoint(directory, manifest, error, bar.update))
-    return {"version": JSON_VERSION, "path": str(path), "ok": all(r["ok"] for r in results), "checkpoints": results, "skipped": leftovers}
+    ok = all(r["ok"] for r in results)
+    return {"version": JSON_VERSION, "path": str(path), "ok": ok, "checkpoints": results, "skipped": leftovers, "set_aside": set_aside}
 
 
 def format_verify(doc: dict[str, Any]) -> str:
@@ -170,6 +176,8 @@ def format_verify(doc: dict[str, Any]) -> str:
             )
     for name in doc["skipped"]:
         lines.append(f"{name}: skipped (not published)")
+    for name in doc.get("set_aside", []):
+        lines.append(f"{name}: skipped (set aside after a rollback, never resumed from; give its path to verify it)")
     failed = sum(not r["ok"] for r in doc["checkpoints"])
     total = len(doc["checkpoints"])
     lines.append(f"{total} checkpoint{'s' if total != 1 else ''} verified: {total - failed} ok, {failed} failed")

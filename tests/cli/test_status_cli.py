@@ -307,6 +307,22 @@ def test_verify_root_reports_every_failure_and_exits_1(damaged, capsys):
     }
 
 
+def test_verify_root_lists_a_checkpoint_set_aside_after_a_rollback_as_skipped_and_verifies_it_by_path(damaged, tmp_path, capsys):
+    root = tmp_path / "root"
+    shutil.copytree(damaged, root, symlinks=True)
+    aside = root / "epoch_0_step_4.abandoned-20261201T000000Z"
+    shutil.copytree(root / "epoch_0_step_4", aside, symlinks=True)
+    code, out, _ = run_cli(capsys, "verify", str(root), "--no-progress")
+    assert code == 1
+    assert f"{aside.name}: skipped (set aside after a rollback, never resumed from; give its path to verify it)" in out.splitlines()
+    code, out, _ = run_cli(capsys, "verify", str(root), "--json", "--no-progress")
+    assert json.loads(out)["set_aside"] == [aside.name]
+    with open(aside / "step_scheduler.json", "r+b") as fh:
+        fh.truncate(5)
+    code, out, _ = run_cli(capsys, "verify", str(aside), "--no-progress")
+    assert code == 1 and out.startswith(f"{aside.name}: FAILED") and "step_scheduler.json" in out
+
+
 def test_verify_one_good_checkpoint_exits_0_with_a_progress_bar(damaged, capsys):
     code, out, err = run_cli(capsys, "verify", str(damaged / "epoch_0_step_4"))
     assert code == 0
@@ -476,6 +492,10 @@ def test_status_shows_the_restart_guard_and_when_the_next_start_would_exit_76(da
     (damaged / ".starts.json").write_text(json.dumps({"resume_point": pick, "starts": 1}))
     code, out, _ = run_cli(capsys, "status", str(damaged))
     assert f"starts in a row from {pick}: 1" in out and "exits 76" not in out
+    # A start that has not reported how it ended counts as failed, in the line as in the guard.
+    (damaged / ".starts.json").write_text(json.dumps({"resume_point": pick, "failed": 0, "preempted": 1, "running": True}))
+    code, out, _ = run_cli(capsys, "status", str(damaged))
+    assert f"starts in a row from {pick}: 2 (failed: 1, counting the last start, which has not reported how it ended" in out
     (damaged / ".starts.json").write_text(json.dumps({"resume_point": pick, "starts": 3}))
     code, out, _ = run_cli(capsys, "status", str(damaged), "--json")
     guard = json.loads(out)["restart_guard"]
@@ -524,7 +544,8 @@ def test_status_tells_failed_from_cleanly_preempted_starts_and_says_why_the_next
     # the last start never reported its end: counted as failed, and with it the limit is reached
     text, guard = guard_for(failed=2, preempted=1, running=True)
     assert guard["next_start_exits_no_progress"] is True and "max_restarts_without_progress: 3" in guard["why"]
-    assert "counted as failed" in text and "the next start exits 76 (NO_PROGRESS) at once: the 3 starts before it" in text
+    assert "(failed: 3, counting the last start, which has not reported how it ended" in text
+    assert "the next start exits 76 (NO_PROGRESS) at once: the 3 starts before it" in text
     text, guard = guard_for(failed=0, preempted=10, running=False)
     assert guard["next_start_exits_no_progress"] is True and "max_preemptions_without_progress: 10" in guard["why"]
     assert "were each preempted before they could save anything new" in text
