@@ -369,7 +369,7 @@ def resilient_loop(
         model: the module being trained (plain, DDP, or sharded: FSDP2, tensor parallel, 2-D
             meshes); saved as safetensors, each rank writing its own shards.
         optimizer: optional; saved as safetensors when every rank holds its full state (plain, DDP), else via DCP.
-        lr_scheduler: anything with a JSON-able ``state_dict()`` (optional).
+        lr_scheduler: anything with ``state_dict()``/``load_state_dict()`` (optional); saved as tagged JSON.
         dataloader: iterable of batches; a ``StatefulDataLoader`` or any loader whose sampler
             has ``set_epoch`` (``DistributedSampler``) resumes mid-epoch exactly.
         extra_state: name -> object with ``state_dict()``/``load_state_dict()`` (NeMo's "Save

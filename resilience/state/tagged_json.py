@@ -8,22 +8,27 @@
 ``{"__items__": [[key, value], ...]}`` a dict with a key that is not a string (or whose one key is
                                        a tag)
 ``{"__float__": "nan"}``               a non-finite float (strict JSON has no NaN/Inf)
+``{"__complex__": [re, im]}``          a complex number
+``{"__counter__": [[key, n], ...]}``   a ``collections.Counter`` (``MultiStepLR``'s milestones: its
+                                       int keys and its type both matter after a resume)
 ``{"__ndarray__": ref}``               a NumPy array, stored as the tensor ``torch.from_numpy`` makes
                                        of it (``ref`` as for a tensor) and given back as an array
-``{"__numpy__": [dtype, value]}``      a NumPy scalar (``np.float32(0.5)``): its dtype's name and
+``{"__numpy__": [dtype, value]}``      a NumPy scalar (``np.float32(0.5)``): its dtype (``"<f4"``) and
                                        its value, given back with that dtype (exactly: every NumPy
                                        number converts to a Python one and back without loss)
 =====================================  ===========================================================
 
 Anything else (``None``, booleans, numbers, strings, lists, string-keyed dicts) is itself, and
 nothing is pickled. Used by registered extra state (``extra/<name>.json``, tensors in a
-safetensors file beside it) and by the data position (``dataloader/rank_<R>.json``, tensors inline).
+safetensors file beside it), the data position (``dataloader/rank_<R>.json``) and the LR
+scheduler (``lr_scheduler.json``), tensors inline in the last two.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +40,9 @@ ITEMS = "__items__"
 FLOAT = "__float__"
 NDARRAY = "__ndarray__"
 NUMPY = "__numpy__"
-_TAGS = (TENSOR, TUPLE, ITEMS, FLOAT, NDARRAY, NUMPY)
+COMPLEX = "__complex__"
+COUNTER = "__counter__"
+_TAGS = (TENSOR, TUPLE, ITEMS, FLOAT, NDARRAY, NUMPY, COMPLEX, COUNTER)
 
 
 def encode(obj: Any, tensor: Callable[[torch.Tensor], Any], where: str) -> Any:
@@ -51,15 +58,22 @@ def encode(obj: Any, tensor: Callable[[torch.Tensor], Any], where: str) -> Any:
     np = sys.modules.get("numpy")  # a NumPy value exists only where NumPy was imported
     # Before float: np.float64 is a float subclass and would come back as a plain float.
     if np is not None and isinstance(obj, np.ndarray):
-        try:
-            as_tensor = torch.from_numpy(np.ascontiguousarray(obj))
+        try:  # ascontiguousarray makes a 0-d array 1-d: the shape is put back
+            as_tensor = torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))
         except (TypeError, ValueError) as exc:
             raise TypeError(f"{where}: a NumPy array of dtype {obj.dtype} cannot be checkpointed ({exc})") from None
         return {NDARRAY: tensor(as_tensor)}
-    if np is not None and isinstance(obj, np.number | np.bool_):
-        return {NUMPY: [obj.dtype.name, encode(obj.item(), tensor, where)]}
+    if np is not None and isinstance(obj, np.generic):
+        item = obj.item()
+        if isinstance(item, np.generic):  # longdouble: no Python type holds it exactly
+            raise TypeError(f"{where}: a NumPy {obj.dtype} scalar cannot be checkpointed exactly; convert it to float64 or a tensor")
+        return {NUMPY: [obj.dtype.str, encode(item, tensor, where)]}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {FLOAT: repr(obj)}
+    if isinstance(obj, complex):
+        return {COMPLEX: [encode(obj.real, tensor, where), encode(obj.imag, tensor, where)]}
+    if isinstance(obj, Counter):
+        return {COUNTER: [[encode(k, tensor, where), encode(v, tensor, f"{where}[{k!r}]")] for k, v in obj.items()]}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, tuple):
@@ -72,7 +86,7 @@ def encode(obj: Any, tensor: Callable[[torch.Tensor], Any], where: str) -> Any:
         return {ITEMS: [[encode(k, tensor, where), encode(v, tensor, f"{where}[{k!r}]")] for k, v in obj.items()]}
     raise TypeError(
         f"{where}: {type(obj).__name__} cannot be checkpointed; a state_dict() may hold tensors, NumPy arrays, "
-        "numbers (NumPy's too), strings, booleans, None, and lists/tuples/dicts of these"
+        "numbers (NumPy's too), strings, booleans, None, and lists/tuples/dicts/Counters of these"
     )
 
 
@@ -91,13 +105,17 @@ def decode(obj: Any, tensor: Callable[[Any], torch.Tensor]) -> Any:
                 return {decode(k, tensor): decode(v, tensor) for k, v in value}
             if tag == FLOAT:
                 return float(value)
+            if tag == COMPLEX:
+                return complex(*(decode(v, tensor) for v in value))
+            if tag == COUNTER:
+                return Counter({decode(k, tensor): decode(v, tensor) for k, v in value})
             if tag == NDARRAY:
                 return tensor(value).numpy()
             if tag == NUMPY:
                 import numpy as np  # only a state that held NumPy values gets here
 
                 dtype, item = value
-                return np.dtype(dtype).type(decode(item, tensor))
+                return np.dtype(dtype).type(decode(item, tensor))  # dtype.str: "<f4", "<U3"
         return {k: decode(v, tensor) for k, v in obj.items()}
     return obj
 

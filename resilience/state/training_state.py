@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Any
 
@@ -13,6 +12,7 @@ from resilience.state import tagged_json
 
 # An extra state's name becomes a file name (extra/<name>.json): no separators, no leading dot.
 _EXTRA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_EXTRA_NAME_MAX = 255 - len(".safetensors")  # NAME_MAX of Linux filesystems
 
 
 @dataclasses.dataclass
@@ -26,11 +26,11 @@ class TrainingState:
     Raises (at construction, so a bad object fails before any training rather than at the first
     save, where a preemption's save would be lost):
         TypeError: ``model`` is not a ``torch.nn.Module``; ``optimizer``, ``lr_scheduler`` or an
-            ``extra`` value lacks ``state_dict()``/``load_state_dict()``; the ``lr_scheduler``'s
-            state is not JSON; an ``extra`` state holds a value that cannot be checkpointed (the
-            message names where, e.g. ``extra.ema.shadow[2]``).
+            ``extra`` value lacks ``state_dict()``/``load_state_dict()``; the ``lr_scheduler``'s or
+            an ``extra`` state holds a value that cannot be checkpointed (the message names
+            where, e.g. ``extra.ema.shadow[2]``; see :mod:`resilience.state.tagged_json`).
         ValueError: an ``extra`` name that cannot be a file name (accepted: letters, digits,
-            ``_``, ``.``, ``-``, not starting with ``.`` or ``-``).
+            ``_``, ``.``, ``-``, not starting with ``.`` or ``-``, at most 243 characters).
     """
 
     model: torch.nn.Module
@@ -46,15 +46,12 @@ class TrainingState:
             raise TypeError(f"model: expected a torch.nn.Module, got {type(self.model).__name__}")
         _check_stateful("optimizer", self.optimizer)
         if _check_stateful("lr_scheduler", self.lr_scheduler):
-            try:
-                json.dumps(self.lr_scheduler.state_dict())
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"lr_scheduler: its state_dict() must be JSON to be checkpointed ({exc})") from None
+            tagged_json.encode(self.lr_scheduler.state_dict(), lambda tensor: None, "lr_scheduler.state_dict()")  # raises naming the value
         for name, obj in self.extra.items():
-            if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name):
+            if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name) or len(name) > _EXTRA_NAME_MAX:
                 raise ValueError(
                     f"extra_state: the name {name!r} cannot be a file name (extra/<name>.json); use letters, digits, "
-                    "'_', '.' and '-', not starting with '.' or '-'"
+                    f"'_', '.' and '-', not starting with '.' or '-', at most {_EXTRA_NAME_MAX} characters"
                 )
             _check_stateful(f"extra_state[{name!r}]", obj)
             tagged_json.encode(obj.state_dict(), lambda tensor: None, f"extra.{name}")  # raises naming the value

@@ -3,6 +3,7 @@ registered with the loop comes back after a resume, tensors included, without pi
 
 from __future__ import annotations
 
+import collections
 import json
 
 import numpy as np
@@ -47,19 +48,32 @@ class EMA:
         self.by_step, self.bf16 = state["by_step"], state["bf16"]
 
 
-def run(root, max_steps):
+def train(root, max_steps, *, lr, objects, after_step):
+    """A Linear(2, 1) with SGD trained on BATCHES, saving every step; ``objects(model, optimizer)``
+    gives resilient_loop's other keyword arguments, ``after_step(kw, optimizer, loss)`` runs after
+    each optimizer step. Returns those keyword arguments."""
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ema = EMA(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    kw = objects(model, optimizer)
     cfg = {"step_scheduler": {"max_steps": max_steps, "ckpt_every_steps": 1}, "checkpoint": {"checkpoint_dir": str(root)}}
-    with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=BATCHES, extra_state={"ema": ema}) as loop:
+    with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=BATCHES, **kw) as loop:
         for step in loop:
             optimizer.zero_grad()
-            model(step.batch).pow(2).mean().backward()
+            loss = model(step.batch).pow(2).mean()
+            loss.backward()
             optimizer.step()
-            ema.update()
-    return ema
+            after_step(kw, optimizer, loss)
+    return kw
+
+
+def _update_ema(kw, *_):
+    kw["extra_state"]["ema"].update()
+
+
+def run(root, max_steps):
+    kw = train(root, max_steps, lr=0.1, objects=lambda model, _: {"extra_state": {"ema": EMA(model)}}, after_step=_update_ema)
+    return kw["extra_state"]["ema"]
 
 
 def test_extra_state_with_tensors_survives_a_resume_bitwise(tmp_path):
@@ -134,16 +148,55 @@ def test_objects_that_cannot_be_checkpointed_are_refused_at_resilient_loop(tmp_p
         _loop(tmp_path, **kw)
 
 
-def test_an_lr_scheduler_whose_state_is_not_json_is_refused_at_resilient_loop(tmp_path):
+def test_an_lr_scheduler_whose_state_cannot_be_saved_is_refused_at_resilient_loop(tmp_path):
     class Scheduler:
         def state_dict(self):
-            return {"lr": torch.tensor(0.1)}
+            return {"lr": torch.tensor(0.1), "seen": {1, 2}}
 
         def load_state_dict(self, state):
             pass
 
-    with pytest.raises(TypeError, match=r"lr_scheduler: its state_dict\(\) must be JSON"):
+    with pytest.raises(TypeError, match=r"lr_scheduler\.state_dict\(\)\.seen: set cannot be checkpointed"):
         _loop(tmp_path, lr_scheduler=Scheduler())
+
+
+@pytest.mark.parametrize(
+    ("name", "make"),
+    [
+        ("multistep", lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 5, 5], gamma=0.1)),
+        (
+            "sequential",
+            lambda opt: torch.optim.lr_scheduler.SequentialLR(
+                opt,
+                [torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=2), torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4])],
+                milestones=[2],
+            ),
+        ),
+        ("plateau", lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)),
+    ],
+)
+def test_lr_schedulers_resume_on_the_same_schedule(tmp_path, name, make):
+    """MultiStepLR's milestones are a Counter keyed by step: JSON made the keys strings and the
+    schedule stopped decaying after a resume. ReduceLROnPlateau's best starts at inf."""
+
+    def run(root, max_steps):
+        lrs = []
+
+        def after_step(kw, optimizer, loss):
+            kw["lr_scheduler"].step(loss.item()) if name == "plateau" else kw["lr_scheduler"].step()
+            lrs.append(optimizer.param_groups[0]["lr"])
+
+        kw = train(root, max_steps, lr=1.0, objects=lambda _, optimizer: {"lr_scheduler": make(optimizer)}, after_step=after_step)
+        return lrs, kw["lr_scheduler"].state_dict()
+
+    straight, straight_state = run(tmp_path / "straight", 7)
+    first, _ = run(tmp_path / "ck", 2)
+    resumed, resumed_state = run(tmp_path / "ck", 7)
+    assert first + resumed == straight
+    assert len(set(straight)) > 1  # the schedule did change the lr
+    assert json.dumps(resumed_state, default=repr, sort_keys=True) == json.dumps(straight_state, default=repr, sort_keys=True)
+    if name == "multistep":
+        assert type(resumed_state["milestones"]) is collections.Counter
 
 
 class NumpyStats:
@@ -188,3 +241,38 @@ def test_numpy_scalars_and_arrays_come_back_with_their_dtypes_and_values(tmp_pat
     assert np.array_equal(resumed.hist, straight.hist)
     saved = load_extra_state(tmp_path / "ck" / "epoch_0_step_3", "stats")
     assert type(saved["pair"][0]) is np.float64 and saved["pair"][0] == 0.1 and np.isnan(saved["pair"][1])
+
+
+def test_numpy_edge_values_round_trip_or_are_refused_naming_them(tmp_path):
+    state = {
+        "zero_d": np.array(1.5),
+        "c64": np.complex64(1 + 2j),
+        "py_complex": 3 - 1j,
+        "text": np.str_("abc"),
+        "counts": collections.Counter({4: 2, 7: 1}),
+    }
+    save_extra_state(tmp_path, "edge", state)
+    back = load_extra_state(tmp_path, "edge")
+    assert back["zero_d"].shape == () and back["zero_d"].dtype == np.float64 and back["zero_d"] == 1.5
+    assert type(back["c64"]) is np.complex64 and back["c64"] == np.complex64(1 + 2j)
+    assert back["py_complex"] == 3 - 1j and type(back["text"]) is np.str_
+    assert back["counts"] == state["counts"] and type(back["counts"]) is collections.Counter
+    with pytest.raises(TypeError, match=r"extra\.edge\.x: a NumPy float128 scalar cannot be checkpointed exactly"):
+        save_extra_state(tmp_path, "edge", {"x": np.longdouble(1)})
+
+
+def test_an_extra_state_name_too_long_for_a_file_is_refused_at_resilient_loop(tmp_path):
+    with pytest.raises(ValueError, match=r"at most 243 characters"):
+        _loop(tmp_path, extra_state={"x" * 244: Bad(1)})
+
+    class Weights:
+        def state_dict(self):
+            return {"w": torch.ones(2)}
+
+        def load_state_dict(self, state):
+            pass
+
+    with _loop(tmp_path, extra_state={"x" * 243: Weights()}) as loop:
+        for _ in loop:
+            pass
+    assert (tmp_path / "ck" / "epoch_0_step_1" / "extra" / ("x" * 243 + ".safetensors")).exists()

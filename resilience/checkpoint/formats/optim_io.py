@@ -30,6 +30,7 @@ from resilience.checkpoint.storage import dcp_io
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.dcp_io import UnsafeCheckpointError  # noqa: F401  (re-exported)
 from resilience.checkpoint.storage.durable import FileRecord
+from resilience.state import tagged_json
 
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -152,17 +153,18 @@ def _target(param: Any, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def lr_scheduler_json(scheduler: Any) -> str:
-    """An LR scheduler's ``state_dict()`` as JSON text, captured now (functions are dropped by torch).
+    """An LR scheduler's ``state_dict()`` as JSON text (:mod:`resilience.state.tagged_json`),
+    captured now (functions are dropped by torch). Plain ``json`` would turn ``MultiStepLR``'s
+    milestones (a ``Counter`` keyed by step) into string keys, and the schedule would never
+    decay again after a resume.
 
     Raises:
-        TypeError: the state holds something JSON cannot represent.
+        TypeError: the state holds something the codec cannot represent (naming where).
     """
-    try:
-        return json.dumps(scheduler.state_dict())
-    except TypeError as exc:
-        raise TypeError(f"lr_scheduler.state_dict() must be JSON-serialisable to be checkpointed: {exc}") from exc
+    return json.dumps(tagged_json.encode(scheduler.state_dict(), tagged_json.tensor_to_json, "lr_scheduler.state_dict()"))
 
 
 def load_lr_scheduler(directory: Path, scheduler: Any) -> None:
-    """Restore an LR scheduler from the JSON :func:`lr_scheduler_json` captured (saved as ``LR_SCHEDULER``)."""
-    scheduler.load_state_dict(json.loads((directory / LR_SCHEDULER).read_text()))
+    """Restore an LR scheduler from the JSON :func:`lr_scheduler_json` captured (saved as
+    ``LR_SCHEDULER``; plain JSON of older checkpoints loads as it was written)."""
+    scheduler.load_state_dict(tagged_json.decode(json.loads((directory / LR_SCHEDULER).read_text()), tagged_json.tensor_from_json))
