@@ -44,7 +44,8 @@ def _count(flag: str, value: str | None, env: str, default: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Consolidate ``args.directory``; 0 on success (or nothing to do), 2 on a usage error, 1 else."""
+    """Consolidate ``args.directory``; 0 on success (or nothing to do), 2 on a usage error, 1 else
+    (a shard that does not match the checkpoint's manifest among them: nothing is written)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         nproc = _count("--nproc", args.nproc, CONSOLIDATE["nproc"], 1)
@@ -56,14 +57,14 @@ def run(args: argparse.Namespace) -> int:
         return int(ExitCode.CONFIG_ERROR)
     cast = args.cast_dtype if args.cast_dtype is not None else os.environ.get(CONSOLIDATE["cast_dtype"])
 
-    from resilience.checkpoint.formats.consolidate import ConsolidateError, consolidate  # imports torch
+    from resilience.checkpoint.formats.consolidate import ConsolidateError, CorruptedInput, consolidate  # imports torch
 
     try:
         out = consolidate(directory, output, nproc=nproc, num_threads=threads, cast_dtype=cast, progress=not args.no_progress)
     except ConsolidateError as exc:
         print(f"resilience consolidate: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
-    except OSError as exc:
+    except (CorruptedInput, OSError) as exc:
         print(f"resilience consolidate: {exc}", file=sys.stderr)
         return int(ExitCode.FAILED)
     print(out)

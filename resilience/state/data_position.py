@@ -8,8 +8,8 @@ the epoch's iterator was created is saved too (``epoch_rng``) and set again befo
 ``iter()``: a shuffling sampler without ``set_epoch`` (``DataLoader(shuffle=True)``) draws its
 seed from the global RNG there, which by a later epoch training has moved on. So are the states
 of the loader's own generators (``epoch_generators``: ``DataLoader(generator=g)``, a sampler's
-``generator``), which a shuffling sampler given one draws from instead and which move on every
-epoch too. A ``DataLoader`` with ``persistent_workers`` creates its iterator (drawing the
+``generator``, any ``torch.Generator`` attribute of a custom sampler), which a shuffling sampler
+given one draws from instead and which move on every epoch too. A ``DataLoader`` with ``persistent_workers`` creates its iterator (drawing the
 workers' base seed, then the order) only in its first epoch and resets it after, drawing only
 the order (``epoch_reset_workers``): a replay of such a later epoch first starts the workers,
 then sets the saved states and resets, so it draws what the original reset drew. Randomness
@@ -32,8 +32,8 @@ from resilience.state import tagged_json
 # loader -> what its current epoch's iterator was created from: {"rng": torch RNG state,
 # "generators": {path: state} of the loader's own generators, "reset": persistent workers reset}
 _EPOCH_START: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-# where a DataLoader keeps generators a shuffle draws from (one object may sit in several)
-_GENERATOR_PATHS = ("generator", "sampler.generator", "batch_sampler.sampler.generator")
+# the objects of a DataLoader whose generators a shuffle draws from (one generator may sit in several)
+_SAMPLER_PATHS = ("", "sampler", "batch_sampler", "batch_sampler.sampler")
 
 
 def _encode(obj: Any) -> Any:
@@ -158,14 +158,17 @@ def _iter(loader: Iterable) -> Iterator:
 
 
 def _generators(loader: Any) -> dict[str, torch.Generator]:
-    """The loader's own generators by attribute path (:data:`_GENERATOR_PATHS`), each object once."""
+    """The loader's own generators by attribute path, each object once: every ``torch.Generator``
+    attribute of the loader, its sampler, batch sampler and the batch sampler's sampler
+    (``generator``, ``sampler.generator``, or a custom sampler's ``sampler.g``)."""
     found: dict[str, torch.Generator] = {}
-    for path in _GENERATOR_PATHS:
+    for path in _SAMPLER_PATHS:
         obj = loader
-        for name in path.split("."):
+        for name in filter(None, path.split(".")):
             obj = getattr(obj, name, None)
-        if isinstance(obj, torch.Generator) and all(obj is not g for g in found.values()):
-            found[path] = obj
+        for attr, value in list(getattr(obj, "__dict__", {}).items()):
+            if isinstance(value, torch.Generator) and all(value is not g for g in found.values()):
+                found[f"{path}.{attr}" if path else attr] = value
     return found
 
 

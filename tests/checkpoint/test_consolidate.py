@@ -131,6 +131,30 @@ def test_shards_split_into_consolidated_files_and_parallel_workers_write_the_sam
     assert set(a) == set(b) == set(model.state_dict()) and all(same(a[k], b[k]) for k in a)
 
 
+def test_consolidate_refuses_a_checkpoint_whose_shard_does_not_match_its_manifest(tmp_path, capsys):
+    """Found by a newcomer: a flipped byte in a shard gave a bundle with a wrong weight, exit 0."""
+    torch.manual_seed(0)
+    model = Mixed()
+    cfg = {"step_scheduler": {"max_steps": 1}, "checkpoint": {"checkpoint_dir": str(tmp_path / "ck"), "save_consolidated": False}}
+    with resilient_loop(cfg, model=model, dataloader=[0]) as loop:
+        for _ in loop:
+            pass
+    checkpoint = tmp_path / "ck" / "epoch_0_step_1"
+    (shard,) = (checkpoint / "model").glob("shard-*.safetensors")
+    pristine = shard.read_bytes()
+    with open(shard, "r+b") as fh:  # one byte of the last tensor's data
+        fh.seek(len(pristine) - 1)
+        fh.write(bytes([pristine[-1] ^ 0x01]))
+    assert cli_main(["consolidate", str(checkpoint), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"{shard}: checksum mismatch (corrupted bytes); not consolidating a corrupt checkpoint" in err
+    assert not (checkpoint / "model" / "consolidated").exists() and not list((checkpoint / "model").glob(".consolidated*"))
+    shard.write_bytes(pristine)
+    assert cli_main(["consolidate", str(checkpoint), "--no-progress"]) == 0
+    bundle = read_bundle(checkpoint / "model" / "consolidated")
+    assert all(same(bundle[k], v) for k, v in model.state_dict().items())
+
+
 # -- consolidate.sh --------------------------------------------------------------------------------
 def test_consolidate_sh_works_after_the_root_moves_from_any_directory_casts_only_floats_and_is_a_no_op_when_done(tmp_path):
     torch.manual_seed(0)

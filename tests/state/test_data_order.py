@@ -20,7 +20,22 @@ LOADERS = {
     "generator": {"generator": "seeded"},
     # persistent workers: iter() creates the workers in epoch 0 only and resets them after
     "persistent-workers": {"num_workers": 2, "persistent_workers": True},
+    # a custom sampler keeping its own generator under a name of its choosing
+    "custom-sampler": {"sampler": "custom"},
 }
+
+
+class OwnGeneratorSampler(torch.utils.data.Sampler):
+    """Shuffles with a generator it holds as ``self.g`` (not ``generator``); no ``set_epoch``."""
+
+    def __init__(self, n: int):
+        self.n, self.g = n, torch.Generator().manual_seed(7)
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=self.g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def run(root, stop_at=None, kind="plain") -> tuple[int, dict[int, list[int]], dict[int, float]]:
@@ -32,7 +47,9 @@ def run(root, stop_at=None, kind="plain") -> tuple[int, dict[int, list[int]], di
     options = dict(LOADERS[kind])
     if options.get("generator") == "seeded":
         options["generator"] = torch.Generator().manual_seed(5)
-    loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True, **options)
+    if options.get("sampler") == "custom":
+        options["sampler"] = OwnGeneratorSampler(40)
+    loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle="sampler" not in options, **options)
     cfg = {"step_scheduler": {"num_epochs": 3, "preemption_signal": "SIGTERM"}, "checkpoint": {"checkpoint_dir": str(root)}}
     seen, losses = {}, {}
     loop = resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=loader)

@@ -47,7 +47,7 @@ from resilience.checkpoint.storage.durable import FileRecord, fsync_dir, fsync_f
 
 log = logging.getLogger("resilience.consolidate")
 
-__all__ = ["ConsolidateError", "consolidate", "is_complete", "parse_cast_dtype", "write_bundle", "write_bundle_manifest"]
+__all__ = ["ConsolidateError", "CorruptedInput", "check_inputs", "consolidate", "is_complete", "parse_cast_dtype", "write_bundle", "write_bundle_manifest"]
 
 
 # -- writing a bundle ------------------------------------------------------------------------------
@@ -131,9 +131,12 @@ def consolidate(
     written into a temporary sibling directory and renamed into place, so an interrupted run never
     leaves a partial ``consolidated/`` that looks complete. Returns the output directory.
 
+    The input files are first checked against the checkpoint's manifest (:func:`check_inputs`).
+
     Raises:
         ConsolidateError: not a sharded safetensors model, a bad ``cast_dtype``, ``nproc`` or
             ``num_threads`` below 1.
+        CorruptedInput: a shard or other input file does not match the manifest.
     """
     if nproc < 1 or num_threads < 1:
         raise ConsolidateError(f"NPROC_PER_NODE and NUM_THREADS must be >= 1, got {nproc} and {num_threads}")
@@ -144,6 +147,7 @@ def consolidate(
     if is_complete(out, plan.layout):
         log.info("%s is already complete; nothing to do (remove it to export again)", out)
         return out
+    check_inputs(model_dir, progress=progress)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -166,6 +170,50 @@ def consolidate(
         raise
     log.info("wrote %s", out)
     return out
+
+
+def check_inputs(model_dir: Path, *, progress: bool = False) -> None:
+    """Check every file under ``model_dir`` that its checkpoint's manifest lists (the shards, their
+    index, the Hugging Face metadata) against its size and digest, before any is read: a bundle
+    built from corrupted shards would look as good as any other. Costs one read of the shards
+    (the page cache then serves the consolidation's). Without a manifest (a copied ``model/``)
+    nothing can be checked, and a warning says so.
+
+    Raises:
+        CorruptedInput: a listed file is missing, of the wrong size or its digest differs.
+    """
+    from resilience.checkpoint.storage.manifest import CheckpointInvalid, digest_problem, read_manifest, size_problem, well_formed
+
+    checkpoint = model_dir.parent
+    try:
+        files = read_manifest(checkpoint)["files"]
+    except CheckpointInvalid as exc:
+        log.warning("the shards of %s are not checked against digests: %s", model_dir, exc)
+        return
+    prefix, skip = f"{model_dir.name}/", f"{model_dir.name}/{CONSOLIDATED}/"
+    mine = {rel: want for rel, want in files.items() if isinstance(rel, str) and rel.startswith(prefix) and not rel.startswith(skip)}
+    if not mine:
+        log.warning("the shards of %s are not checked against digests: %s/manifest.json lists none of them", model_dir, checkpoint)
+        return
+    bar = _progress(sum(w["size"] for w in mine.values() if isinstance(w, dict) and isinstance(w.get("size"), int)), progress)
+    if bar is not None:
+        bar.set_description("checking digests")
+    try:
+        for rel, want in sorted(mine.items()):
+            path = checkpoint / rel
+            if not well_formed(rel, want):
+                problem = "malformed manifest entry"
+            else:
+                problem = size_problem(path, want["size"]) or digest_problem(path, want, bar.update if bar is not None else None)
+            if problem is not None:
+                raise CorruptedInput(f"{path}: {problem}; not consolidating a corrupt checkpoint (resilience verify {checkpoint} lists every bad file)")
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+class CorruptedInput(Exception):
+    """A file the bundle would be made from does not match the checkpoint's manifest."""
 
 
 def write_bundle_manifest(out_dir: Path, files: Iterable[str], records: Iterable[FileRecord] = ()) -> None:
