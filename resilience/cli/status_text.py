@@ -91,6 +91,8 @@ def format_status(doc: dict[str, Any]) -> str:
             f"(failed: {failed}{last}, limit {guard['limit']}; preempted cleanly before saving anything "
             f"new: {guard['preempted']}, limit {guard['preemption_limit']})"
         )
+        if guard["resume_point"] != resume["checkpoint"]:  # a checkpoint saved since: progress
+            lines.append(f"  the next start resumes from {resume['checkpoint'] or 'a fresh start'} instead, so it starts a new count")
         if guard["next_start_exits_no_progress"]:
             lines.append(f"  the next start exits 76 (NO_PROGRESS) at once: {guard['why']}; fix the cause, then delete {guard['file']}")
     return "\n".join(lines)

@@ -496,6 +496,12 @@ def test_status_shows_the_restart_guard_and_when_the_next_start_would_exit_76(da
     (damaged / ".starts.json").write_text(json.dumps({"resume_point": pick, "failed": 0, "preempted": 1, "running": True}))
     code, out, _ = run_cli(capsys, "status", str(damaged))
     assert f"starts in a row from {pick}: 2 (failed: 1, counting the last start, which has not reported how it ended" in out
+    assert "starts a new count" not in out
+    # Counted from a fresh start, but that start saved a checkpoint before it was killed.
+    (damaged / ".starts.json").write_text(json.dumps({"resume_point": None, "failed": 0, "preempted": 0, "running": True}))
+    code, out, _ = run_cli(capsys, "status", str(damaged))
+    assert "starts in a row from a fresh start: 1 (failed: 1, counting the last start" in out
+    assert f"the next start resumes from {pick} instead, so it starts a new count" in out and "exits 76" not in out
     (damaged / ".starts.json").write_text(json.dumps({"resume_point": pick, "starts": 3}))
     code, out, _ = run_cli(capsys, "status", str(damaged), "--json")
     guard = json.loads(out)["restart_guard"]
