@@ -96,7 +96,7 @@ def paired_overhead(
     block = min(block, max(1, n))
     fractions = [t / b - 1 for t, b in zip(treated, base)]
     out: dict[str, Any] = {
-        "value": (sum(treated) / sum(base) - 1) if n else None,
+        "value": (math.fsum(treated) / math.fsum(base) - 1) if n else None,
         "ci_low": None,
         "ci_high": None,
         "confidence": None,
@@ -113,7 +113,8 @@ def paired_overhead(
     runs = math.ceil(n / block)
     for _ in range(resamples):
         idx = [start + j for start in (rng.randrange(n - block + 1) for _ in range(runs)) for j in range(block)][:n]
-        draws.append(sum(treated[i] for i in idx) / sum(base[i] for i in idx) - 1)
+        # fsum: a resample holding the same rows as the data gives exactly its value, in any order
+        draws.append(math.fsum(treated[i] for i in idx) / math.fsum(base[i] for i in idx) - 1)
     draws.sort()
     tail = (1 - confidence) / 2
     out.update(ci_low=draws[int(tail * resamples)], ci_high=draws[min(resamples - 1, int((1 - tail) * resamples))], confidence=confidence)
