@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from typing import Any
 
@@ -25,7 +26,8 @@ class TrainingState:
 
     Raises (at construction, so a bad object fails before any training rather than at the first
     save, where a preemption's save would be lost):
-        TypeError: ``model`` is not a ``torch.nn.Module``; ``optimizer``, ``lr_scheduler`` or an
+        TypeError: ``model`` is not a ``torch.nn.Module``; an ``optimizer`` whose ``step()`` needs a
+            closure (LBFGS: it could not be resumed); ``optimizer``, ``lr_scheduler`` or an
             ``extra`` value lacks ``state_dict()``/``load_state_dict()``; the ``lr_scheduler``'s or
             an ``extra`` state holds a value that cannot be checkpointed (the message names
             where, e.g. ``extra.ema.shadow[2]``; see :mod:`resilience.state.tagged_json`).
@@ -44,7 +46,8 @@ class TrainingState:
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(self.model).__name__}")
-        _check_stateful("optimizer", self.optimizer)
+        if _check_stateful("optimizer", self.optimizer):
+            _check_step_without_closure(self.optimizer)
         if _check_stateful("lr_scheduler", self.lr_scheduler):
             tagged_json.encode(self.lr_scheduler.state_dict(), lambda tensor: None, "lr_scheduler.state_dict()")  # raises naming the value
         for name, obj in self.extra.items():
@@ -65,3 +68,20 @@ def _check_stateful(what: str, obj: Any) -> bool:
         if not callable(getattr(obj, method, None)):
             raise TypeError(f"{what}: a {type(obj).__name__} has no {method}() to checkpoint it with")
     return True
+
+
+def _check_step_without_closure(optimizer: Any) -> None:
+    """torch.distributed.checkpoint's ``get_optimizer_state_dict``/``set_optimizer_state_dict``,
+    which capture and restore the optimizer, first give a fresh optimizer its state by calling
+    ``step()`` with zero gradients and no closure; an optimizer whose ``step`` needs one (LBFGS)
+    would save but fail at the resume."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a builtin or wrapped step: nothing to tell
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"optimizer: {type(optimizer).__name__}.step() needs a closure, and torch.distributed.checkpoint's state-dict "
+            "helpers that restore an optimizer call step() without one, so it could be saved but never resumed; "
+            "use an optimizer whose closure is optional"
+        )

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from test_checkpoint import checkpointer, make_state, save_at
 
-from resilience import ExitCode
+from resilience import ExitCode, resilient_loop
 from resilience.checkpoint.formats import optim_files, optim_io
 from resilience.checkpoint.layout import DCP_METADATA, OPTIM_DIR, OPTIM_SHARD_GLOB, SKELETON, optim_shard_name
 from resilience.checkpoint.storage.content_check import ContentCheck
@@ -105,3 +105,59 @@ def test_each_rank_of_a_ddp_run_writes_about_half_of_the_optimizer_bytes(tmp_pat
     share = [sum(n for key, n in stored.items() if specs[key]["file"] == name) for name in names]
     assert abs(share[0] - share[1]) <= max(stored.values()), f"each rank writes about half: {share}"
     assert set(read_manifest(saved)["files"]) >= {f"{OPTIM_DIR}/{name}" for name in names}
+
+
+class HistorySGD(torch.optim.Optimizer):
+    """SGD that steps along the mean of its last two gradients: its state holds a list of tensors
+    and a tuple, as LBFGS's (old_dirs) and other optimizers' do."""
+
+    def __init__(self, params, lr: float = 0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                history = state.setdefault("history", [])
+                history.append(p.grad.clone())
+                del history[:-2]
+                state["shape"] = tuple(p.shape)
+                p.add_(torch.stack(history).mean(0), alpha=-group["lr"])
+
+
+def _history_run(root, max_steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = HistorySGD(model.parameters())
+    batches = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    cfg = {"step_scheduler": {"max_steps": max_steps, "ckpt_every_steps": 2}, "checkpoint": {"checkpoint_dir": str(root)}}
+    with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=batches) as loop:
+        for step in loop:
+            optimizer.zero_grad()
+            model(step.batch).pow(2).mean().backward()
+            optimizer.step()
+    return model, optimizer
+
+
+def test_an_optimizer_state_holding_a_list_of_tensors_and_a_tuple_resumes_exactly(tmp_path):
+    """A list of tensors in the state failed the first save ('Tensor is not JSON serializable');
+    each tensor inside is now an entry of its own, and the tuple stays a tuple."""
+    straight_model, straight = _history_run(tmp_path / "straight", 6)
+    _history_run(tmp_path / "ck", 4)
+    model, resumed = _history_run(tmp_path / "ck", 6)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), straight_model.parameters()))
+    for p_got, p_want in zip(resumed.param_groups[0]["params"], straight.param_groups[0]["params"]):
+        got, want = resumed.state[p_got], straight.state[p_want]
+        assert type(got["history"]) is list and all(torch.equal(a, b) for a, b in zip(got["history"], want["history"], strict=True))
+        assert type(got["shape"]) is tuple and got["shape"] == want["shape"]
+    skeleton = json.loads((tmp_path / "ck" / "epoch_0_step_4" / SKELETON).read_text())
+    entries = skeleton["state"]["weight"]
+    assert entries[optim_io.NESTED + "history.1"]["part_of"] == "history" and "tagged" in entries["shape"]
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_at_resilient_loop(tmp_path):
+    model = torch.nn.Linear(3, 1)
+    cfg = {"checkpoint": {"checkpoint_dir": str(tmp_path / "ck")}}
+    with pytest.raises(TypeError, match=r"optimizer: LBFGS\.step\(\) needs a closure"):
+        resilient_loop(cfg, model=model, optimizer=torch.optim.LBFGS(model.parameters()), dataloader=[0])

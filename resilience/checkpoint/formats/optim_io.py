@@ -11,6 +11,7 @@ had its own files load as they did.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -32,20 +33,39 @@ from resilience.checkpoint.storage.dcp_io import UnsafeCheckpointError  # noqa: 
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.state import tagged_json
 
+# A tensor inside another value of the state (LBFGS's ``old_dirs``, a list of tensors) is stored
+# as an entry of its own named NESTED + "<name>.<i>", with ``part_of`` naming the value.
+NESTED = "__nested__."
+
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors keyed ``state.<fqn>.<name>`` for DCP, and a JSON skeleton of everything."""
+    """Tensors keyed ``state.<fqn>.<name>`` for DCP, and a JSON skeleton of everything. Any other
+    value is tagged JSON (:mod:`resilience.state.tagged_json`: tuples stay tuples), each tensor
+    inside it an entry of its own (see ``NESTED``).
+
+    Raises:
+        TypeError: a state value the codec cannot hold (naming where).
+    """
     tensors: dict[str, torch.Tensor] = {}
     skeleton: dict[str, Any] = {"param_groups": state["param_groups"], "state": {}}
     for fqn, entries in state["state"].items():
         skel = skeleton["state"][fqn] = {}
+
+        def add(name: str, value: torch.Tensor, part_of: str | None = None, fqn: str = fqn, skel: dict = skel) -> str:
+            key = f"state.{fqn}.{name}"
+            tensors[key] = value
+            skel[name] = {"tensor": key, "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+            if part_of is not None:
+                skel[name]["part_of"] = part_of
+            return name
+
         for name, value in entries.items():
             if isinstance(value, torch.Tensor):
-                key = f"state.{fqn}.{name}"
-                tensors[key] = value
-                skel[name] = {"tensor": key, "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+                add(name, value)
             else:
-                skel[name] = {"value": value}
+                parts = itertools.count()
+                nest = lambda t, name=name, parts=parts: add(f"{NESTED}{name}.{next(parts)}", t, part_of=name)  # noqa: E731
+                skel[name] = {"tagged": tagged_json.encode(value, nest, f"optimizer.state[{fqn!r}].{name}")}
     return tensors, skeleton
 
 
@@ -124,7 +144,7 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
                 if not fits and not params:
                     params = get_model_state_dict(model)
                 tensors[spec["tensor"]] = mine if fits else _target(params.get(fqn), shape, dtype)
-            else:
+            elif "value" in spec:  # written before values were tagged
                 state[fqn][name] = spec["value"]
     if (directory / OPTIM_DIR / DCP_METADATA).is_file():
         dcp_io.load_tensors(tensors, directory / OPTIM_DIR, group=group)
@@ -132,8 +152,10 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
         optim_files.load(directory, skeleton, tensors, check)
     for fqn, entries in skeleton["state"].items():
         for name, spec in entries.items():
-            if "tensor" in spec:
+            if "tensor" in spec and "part_of" not in spec:
                 state[fqn][name] = tensors[spec["tensor"]]
+            elif "tagged" in spec:
+                state[fqn][name] = tagged_json.decode(spec["tagged"], lambda part, entries=entries: tensors[entries[part]["tensor"]])
     # JSON has no tuples: give back the tuple form the optimizer uses (AdamW's ``betas``), so the
     # restored param_groups equal the saved ones rather than holding lists.
     for saved, current in zip(skeleton["param_groups"], optimizer.param_groups):
