@@ -276,3 +276,29 @@ def test_an_extra_state_name_too_long_for_a_file_is_refused_at_resilient_loop(tm
         for _ in loop:
             pass
     assert (tmp_path / "ck" / "epoch_0_step_1" / "extra" / ("x" * 243 + ".safetensors")).exists()
+
+
+def test_an_older_checkpoints_plain_json_multisteplr_milestones_load_with_int_keys(tmp_path):
+    """Before the LR scheduler's state was tagged, plain JSON wrote milestones {"3": 1, "5": 2}."""
+    from resilience.checkpoint.formats.optim_io import load_lr_scheduler
+    from resilience.checkpoint.layout import LR_SCHEDULER
+
+    def scheduler():
+        return torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0), milestones=[3, 5, 5])
+
+    saved = scheduler()
+    for _ in range(2):
+        saved.optimizer.step()
+        saved.step()
+    (tmp_path / LR_SCHEDULER).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / LR_SCHEDULER).write_text(json.dumps(saved.state_dict()))  # what the old code wrote
+    assert '"3": 1' in (tmp_path / LR_SCHEDULER).read_text()
+    resumed = scheduler()
+    load_lr_scheduler(tmp_path, resumed)
+    assert resumed.milestones == collections.Counter({3: 1, 5: 2}) and type(resumed.milestones) is collections.Counter
+    lrs = []
+    for _ in range(4):
+        resumed.optimizer.step()
+        resumed.step()
+        lrs.append(resumed.get_last_lr()[0])
+    assert lrs == pytest.approx([0.1, 0.1, 0.001, 0.001])

@@ -189,4 +189,19 @@ def lr_scheduler_json(scheduler: Any) -> str:
 def load_lr_scheduler(directory: Path, scheduler: Any) -> None:
     """Restore an LR scheduler from the JSON :func:`lr_scheduler_json` captured (saved as
     ``LR_SCHEDULER``; plain JSON of older checkpoints loads as it was written)."""
-    scheduler.load_state_dict(tagged_json.decode(json.loads((directory / LR_SCHEDULER).read_text()), tagged_json.tensor_from_json))
+    state = tagged_json.decode(json.loads((directory / LR_SCHEDULER).read_text()), tagged_json.tensor_from_json)
+    scheduler.load_state_dict(_int_keys_back(scheduler.state_dict(), state))
+
+
+def _int_keys_back(live: Any, loaded: Any) -> Any:
+    """``loaded`` with each dict whose keys plain JSON made strings (``{"6": 1}``) turned back into
+    the live state's type with int keys, where the live state has int keys there: checkpoints
+    written before the LR scheduler's state was tagged hold ``MultiStepLR``'s milestones so, and
+    loading them as they are silently stops the decay."""
+    if isinstance(live, dict) and type(loaded) is dict:  # a Counter the codec gave back is right already
+        if live and all(isinstance(k, int) for k in live) and loaded and all(isinstance(k, str) and k.lstrip("-").isdigit() for k in loaded):
+            return type(live)({int(k): v for k, v in loaded.items()})
+        return {k: _int_keys_back(live[k], v) if k in live else v for k, v in loaded.items()}
+    if isinstance(live, list) and isinstance(loaded, list) and len(live) == len(loaded):
+        return [_int_keys_back(a, b) for a, b in zip(live, loaded)]
+    return loaded
