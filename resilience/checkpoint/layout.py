@@ -110,6 +110,13 @@ MODEL_CONSOLIDATED = f"{MODEL_DIR}/{CONSOLIDATED}"
 _NAME = re.compile(r"^epoch_(\d+)_step_(\d+)$")
 
 
+def needed_to_resume(rel: str) -> bool:
+    """Whether a resume reads manifest entry ``rel``: every file but the Hugging Face bundle
+    written with the checkpoint (``model/consolidated/``), an export that a user may delete or
+    build again in another dtype without touching the training state."""
+    return not rel.startswith(MODEL_CONSOLIDATED + "/")
+
+
 def checkpoint_name(epoch: int, global_step: int) -> str:
     """``epoch_<E>_step_<S>``: E the 0-based epoch of step S, S the number of optimizer steps done."""
     return f"epoch_{epoch}_step_{global_step}"

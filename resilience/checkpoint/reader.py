@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from resilience.checkpoint.balance import balance
-from resilience.checkpoint.layout import BAD_MARKER
+from resilience.checkpoint.layout import BAD_MARKER, needed_to_resume
 from resilience.checkpoint.resume_choice import choose
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.manifest import CheckpointInvalid, validate
@@ -53,7 +53,7 @@ def mark_bad(directory: Path, why: str) -> None:
 def _choose(root: Path, restore_from: str | None, key: str, checksums: bool) -> tuple[str | None, dict[str, Any] | None, list[str]]:
     """(directory to resume from or None, its manifest, warnings). Runs on rank 0 only; marks the
     candidates found invalid as bad, so no later start checks them again."""
-    check = functools.partial(validate, checksums=checksums)
+    check = functools.partial(validate, checksums=checksums, resume=True)
     if restore_from is not None:
         path = Path(restore_from)
         if not path.is_absolute() and not path.exists():
@@ -132,7 +132,7 @@ def load_verified(ctx: DistContext, directory: Path, manifest: dict[str, Any], l
             ``load`` failed on a file that did (``directory`` is then marked bad).
         Exception: ``load``'s own error when the bytes were intact (a peer's, as RuntimeError).
     """
-    files = manifest["files"]
+    files = {rel: want for rel, want in manifest["files"].items() if needed_to_resume(rel)}  # not the bundle: never read
     check = ContentCheck(directory, files, _share(files, ctx.rank, ctx.world_size), inline=inline)
     check.start()
     error: BaseException | None = None

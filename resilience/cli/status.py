@@ -75,7 +75,7 @@ def _check(path: Path, deep: bool) -> tuple[str, str | None, dict[str, Any]]:
     meta: dict[str, Any] = {}
     try:
         meta = read_manifest(path).get("meta") or {}
-        validate(path, checksums=deep)
+        validate(path, checksums=deep, resume=True)  # as the resume checks it: the bundle is not needed
     except CheckpointInvalid as exc:
         return "corrupt", within(str(exc), path), meta if isinstance(meta, dict) else {}
     return "complete", None, meta if isinstance(meta, dict) else {}

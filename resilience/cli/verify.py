@@ -25,6 +25,7 @@ from resilience.checkpoint.layout import (
     STAGING_PREFIX,
     TRASH_PREFIX,
     list_checkpoints,
+    needed_to_resume,
     parse_checkpoint_name,
 )
 from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, within
@@ -74,14 +75,17 @@ def _check_files(directory: Path, files: dict[str, Any], result: dict[str, Any],
 
 def _bundle(directory: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None, str | None]:
     """``(state, files, problem)`` of ``model/consolidated/`` (the Hugging Face bundle). state:
-    None (no bundle, or one written with the checkpoint and so in its manifest), ``verified``
-    (written later, with ``bundle_manifest.json``: ``files`` are its entries), ``unverified``
-    (written later, without one) or ``failed`` (its bundle manifest is unreadable: ``problem``)."""
+    None (no bundle, or the one written with the checkpoint, checked with its manifest),
+    ``removed`` (written with the checkpoint, deleted since: a resume does not need it),
+    ``verified`` (written later, with ``bundle_manifest.json``: ``files`` are its entries; also a
+    bundle that replaced the checkpoint's own), ``unverified`` (written later, without one) or
+    ``failed`` (its bundle manifest is unreadable: ``problem``)."""
     bundle = directory / MODEL_CONSOLIDATED
-    if not bundle.is_dir() or any(rel.startswith(MODEL_CONSOLIDATED + "/") for rel in manifest["files"]):
-        return None, None, None
+    with_checkpoint = any(not needed_to_resume(rel) for rel in manifest["files"])
+    if not bundle.is_dir():
+        return ("removed" if with_checkpoint else None), None, None
     if not (bundle / BUNDLE_MANIFEST).exists():
-        return "unverified", None, None
+        return (None if with_checkpoint else "unverified"), None, None
     try:
         files = json.loads((bundle / BUNDLE_MANIFEST).read_text())["files"]
         if not isinstance(files, dict):
@@ -99,7 +103,7 @@ def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: s
     the checkpoint was published (``model/consolidate.sh``) is checked against its own
     ``bundle_manifest.json``; one without it is reported as unverified (not a failure). Returns
     ``{"name", "ok", "files_checked", "bytes_checked", "failures": [{"file", "problem"}],
-    "marked_bad", "bundle"}`` (``bundle``: None, ``verified``, ``unverified`` or ``failed``).
+    "marked_bad", "bundle"}`` (``bundle``: None, ``removed``, ``verified``, ``unverified`` or ``failed``).
     """
     result: dict[str, Any] = {
         "name": directory.name,
@@ -113,8 +117,10 @@ def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: s
     if manifest is None:
         result["failures"].append({"file": MANIFEST, "problem": error or "unreadable"})
     else:
-        _check_files(directory, manifest["files"], result, advance)
         state, files, problem = _bundle(directory, manifest)
+        # A bundle removed or built again since the save is checked by its own manifest, if at all.
+        own = {rel: want for rel, want in manifest["files"].items() if state is None or needed_to_resume(rel)}
+        _check_files(directory, own, result, advance)
         result["bundle"] = state
         prefix = f"{MODEL_CONSOLIDATED}/"
         if problem is not None:
@@ -169,6 +175,8 @@ def format_verify(doc: dict[str, Any]) -> str:
             lines += [f"  {f['file']}: {f['problem']}" for f in r["failures"]]
         if r.get("bundle") == "verified":
             lines.append(f"  {MODEL_CONSOLIDATED}/: verified against its {BUNDLE_MANIFEST} (written after the checkpoint)")
+        elif r.get("bundle") == "removed":
+            lines.append(f"  {MODEL_CONSOLIDATED}/: removed since the checkpoint was saved (not needed to resume; {MODEL_CONSOLIDATE_SH} builds it again)")
         elif r.get("bundle") == "unverified":
             lines.append(
                 f"  {MODEL_CONSOLIDATED}/: unverified (written after the checkpoint, with no {BUNDLE_MANIFEST}; "

@@ -155,6 +155,49 @@ def test_consolidate_refuses_a_checkpoint_whose_shard_does_not_match_its_manifes
     assert all(same(bundle[k], v) for k, v in model.state_dict().items())
 
 
+def test_removing_or_exporting_again_the_bundle_saved_with_a_checkpoint_keeps_it_resumable(tmp_path, capsys, caplog):
+    """Found by a newcomer: the bundle written with the checkpoint is in its manifest, so deleting
+    it (or exporting it again in bf16) made the checkpoint 'corrupt' and the next start trained
+    from scratch. A resume never reads the bundle: it is left out of the resume's checks."""
+    from resilience.checkpoint.reader import find_resume_checkpoint
+    from resilience.distributed import DistContext
+
+    def pick():
+        return find_resume_checkpoint(DistContext(), tmp_path / "ck", None).name
+
+    def train(max_steps):
+        torch.manual_seed(0)
+        model = Mixed()
+        cfg = {"step_scheduler": {"max_steps": max_steps}, "checkpoint": {"checkpoint_dir": str(tmp_path / "ck"), "save_consolidated": "final"}}
+        with resilient_loop(cfg, model=model, dataloader=[0, 1, 2, 3]) as loop:
+            for _ in loop:
+                pass
+        return loop
+
+    train(2)
+    checkpoint = tmp_path / "ck" / "epoch_0_step_2"
+    assert any(rel.startswith("model/consolidated/") for rel in validate(checkpoint)["files"])
+    bundle = checkpoint / "model" / "consolidated"
+    assert cli_main(["consolidate", str(checkpoint), "--cast-dtype", "bf16", "--no-progress"]) == 0
+    assert "CAST_DTYPE bf16 was not applied" in caplog.text  # complete already: said, not silent
+    shutil.rmtree(bundle)
+    assert pick() == checkpoint.name
+    capsys.readouterr()
+    assert cli_main(["verify", str(checkpoint), "--no-progress"]) == 0
+    assert "model/consolidated/: removed since the checkpoint was saved" in capsys.readouterr().out
+    assert cli_main(["consolidate", str(checkpoint), "--cast-dtype", "bf16", "--no-progress"]) == 0
+    assert read_bundle(bundle)["a.weight"].dtype == torch.bfloat16  # was float32
+    assert pick() == checkpoint.name
+    capsys.readouterr()
+    assert cli_main(["verify", str(checkpoint), "--no-progress"]) == 0
+    assert "verified against its bundle_manifest.json" in capsys.readouterr().out
+    assert cli_main(["status", str(tmp_path / "ck")]) == 0
+    assert f"Resume would pick: {checkpoint.name}" in capsys.readouterr().out
+    loop = train(3)  # resumes from step 2, not from scratch
+    assert loop.exit_code == 0 and not (checkpoint / ".bad").exists()
+    assert validate(tmp_path / "ck" / "epoch_0_step_3")["meta"]["parent"]["name"] == checkpoint.name  # continued it
+
+
 # -- consolidate.sh --------------------------------------------------------------------------------
 def test_consolidate_sh_works_after_the_root_moves_from_any_directory_casts_only_floats_and_is_a_no_op_when_done(tmp_path):
     torch.manual_seed(0)

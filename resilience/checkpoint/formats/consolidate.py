@@ -145,7 +145,10 @@ def consolidate(
     plan = plan_bundle(model_dir, cast_dtype)
     out = Path(output_dir).absolute() if output_dir is not None else model_dir / CONSOLIDATED
     if is_complete(out, plan.layout):
-        log.info("%s is already complete; nothing to do (remove it to export again)", out)
+        if cast_dtype:
+            log.warning("%s is already complete: CAST_DTYPE %s was not applied (remove it and run again to export in that dtype)", out, cast_dtype)
+        else:
+            log.info("%s is already complete; nothing to do (remove it to export again)", out)
         return out
     check_inputs(model_dir, progress=progress)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"

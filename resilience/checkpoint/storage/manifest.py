@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.layout import MANIFEST
+from resilience.checkpoint.layout import MANIFEST, needed_to_resume
 from resilience.checkpoint.storage.durable import FileRecord, entry_digest, file_digest, write_bytes
 
 FORMAT_VERSION = 1
@@ -46,16 +46,19 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return doc
 
 
-def validate(directory: Path, *, checksums: bool = True) -> dict[str, Any]:
+def validate(directory: Path, *, checksums: bool = True, resume: bool = False) -> dict[str, Any]:
     """Check that every listed file exists with its size, and when ``checksums`` its digest
-    (reads every byte; without it the check costs one ``stat`` per file).
+    (reads every byte; without it the check costs one ``stat`` per file). With ``resume``, only
+    the files a resume reads (:func:`~resilience.checkpoint.layout.needed_to_resume`: not the
+    Hugging Face bundle written with the checkpoint, which a user may delete or export again).
 
     Returns the manifest. Raises :class:`CheckpointInvalid` naming the first bad file.
     """
     if not directory.is_dir():
         raise CheckpointInvalid(f"{directory}: no such checkpoint directory")
     doc = read_manifest(directory)
-    for rel, want in doc["files"].items():
+    files = {rel: want for rel, want in doc["files"].items() if not resume or needed_to_resume(rel)}
+    for rel, want in files.items():
         path = directory / rel
         problem = size_problem(path, want.get("size") if isinstance(want, dict) else want)
         if problem is not None:
@@ -63,16 +66,17 @@ def validate(directory: Path, *, checksums: bool = True) -> dict[str, Any]:
         if entry_digest(want) is None:
             raise CheckpointInvalid(f"{directory / MANIFEST}: the entry of {rel} has no digest")
     if checksums:
-        check_contents(directory, doc)
+        check_contents(directory, files)
     return doc
 
 
-def check_contents(directory: Path, doc: dict[str, Any]) -> None:
-    """Compare every file's digest with manifest ``doc`` (already size-checked by :func:`validate`).
+def check_contents(directory: Path, files: dict[str, Any]) -> None:
+    """Compare every file's digest with its manifest entry (``files``: ``{relative path: entry}``,
+    already size-checked by :func:`validate`).
 
     Raises :class:`CheckpointInvalid` naming the first file whose bytes differ.
     """
-    for rel, want in doc["files"].items():
+    for rel, want in files.items():
         problem = digest_problem(directory / rel, want)
         if problem is not None:
             raise CheckpointInvalid(f"{directory / rel}: {problem}")
