@@ -32,6 +32,7 @@ from resilience.config import ResilienceConfig, config_from_dict
 from resilience.distributed import DistContext, collective_timeout_s
 from resilience.exit_codes import ExitCode
 from resilience.metrics_log import training_row, truncate_logs
+from resilience.parent_death import die_with_launcher
 from resilience.progress import ProgressReporter
 from resilience.slurm.job import run_id_from_env, signal_reach_warning
 from resilience.state.accumulation import micro_batches
@@ -60,12 +61,11 @@ class ResilientLoop:
         self.config = config
         self.state = state
         self.ctx = ctx if ctx is not None else DistContext.from_env(timeout_s=collective_timeout_s(config.checkpoint.async_timeout_s))
-        self.progress = ProgressReporter.from_env()
-        """Reports to ``resilience run``'s watchdog where this rank is (a no-op without it)."""
+        self.progress = ProgressReporter.from_env()  # to resilience run's watchdog (a no-op without it)
+        die_with_launcher()  # a rank of resilience run ends with its launcher, even one killed with SIGKILL
         self.progress.phase("starting")
         self.scheduler = StepScheduler(config.step_scheduler.num_epochs, config.step_scheduler.max_steps)
-        self.timer = RunTimer()
-        """Moving averages of step and save time (seconds), recorded in each checkpoint."""
+        self.timer = RunTimer()  # moving averages of step and save time (seconds), recorded in each checkpoint
         self.checkpointer = Checkpointer(
             config.checkpoint,
             self.ctx,

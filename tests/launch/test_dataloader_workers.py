@@ -113,6 +113,50 @@ def test_a_signal_to_the_process_group_with_dataloader_workers_saves_the_agreed_
     assert result.identical and result.steps == TOTAL_STEPS, result.detail
 
 
+@pytest.mark.timeout(120)
+def test_a_launcher_killed_with_sigkill_takes_its_ranks_and_their_workers_with_it(tmp_path):
+    """Found by a newcomer: ``kill -9`` of the launcher left both ranks training, reparented to
+    PID 1, beside the next start's ranks. Each rank now asks the kernel for SIGKILL when its
+    launcher ends (PR_SET_PDEATHSIG), and its shielded workers end with it."""
+    ckpt, events, pid_file = tmp_path / "ck", tmp_path / "events", tmp_path / "pids"
+    events.mkdir()
+    proc = launch_run(ckpt, events, worker_env("plain", True, PAUSE_AT_STEP=str(PAUSE_STEP)), pid_file)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((events / f"paused_{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[1]
+            time.sleep(0.02)
+        ranks = [_rank_pid(pid_file, r) for r in (0, 1)]
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher alone
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while [pid for pid in ranks if pid_alive(pid)]:
+            assert time.monotonic() < deadline, f"ranks {[p for p in ranks if pid_alive(p)]} outlived their launcher"
+            time.sleep(0.05)
+        _assert_no_worker_left(events, "")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        else:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group on a failure
+            except ProcessLookupError:
+                pass
+
+
+def test_a_rank_whose_launcher_is_gone_refuses_to_train_and_one_under_a_wrapper_is_left_alone():
+    from resilience.env_names import LAUNCHER_PID_ENV
+    from resilience.parent_death import die_with_launcher
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names no process now
+    with pytest.raises(RuntimeError, match=rf"the launcher \(pid {gone.pid}, RESILIENCE_LAUNCHER_PID\) has exited"):
+        die_with_launcher({LAUNCHER_PID_ENV: str(gone.pid)})
+    assert die_with_launcher({LAUNCHER_PID_ENV: str(os.getpid())}) is False  # alive, but not our parent: a wrapper
+    assert die_with_launcher({}) is False  # not started by resilience run
+
+
 def _user_init(worker_id: int) -> None:
     pass
 
