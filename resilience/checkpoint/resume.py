@@ -18,11 +18,12 @@ from typing import Any
 
 from resilience.checkpoint.layout import LATEST, MANIFEST, parse_checkpoint_name
 from resilience.checkpoint.loading import Restored, inline_files, load_state
-from resilience.checkpoint.policy.lineage import parent_ref
+from resilience.checkpoint.policy.lineage import descends_from, meta_of, parent_ref
 from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, find_resume_point, load_verified
 from resilience.checkpoint.resume_choice import remove_leftovers
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.manifest import read_manifest
+from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 from resilience.state.batch_size import continue_with_batch_size
 from resilience.state.rng import load_rng_state
 from resilience.state.training_state import TrainingState
@@ -36,6 +37,7 @@ class Resuming:
     checkpointer's ``config``, ``ctx``, ``root``, ``state``, ``lowest_val`` and bookkeeping)."""
 
     resume_source: str | None
+    run_id: str | None
     run_config: dict[str, Any]
     global_batch_size: int | None
     _chosen_manifest: tuple[Path | None, dict[str, Any] | None]
@@ -106,7 +108,7 @@ class Resuming:
         if self.ctx.rank == 0:
             remove_leftovers(self.root)
         self.resume_source = None
-        if self.config.restore_from is not None:
+        if self.config.restore_from is not None and not self._continues_restore_from():
             (found, manifest), source = find_resume_point(self.ctx, self.root, self.config.restore_from, checksums=False), "restore_from"
         else:
             found, manifest = find_resume_point(self.ctx, self.root, None, checksums=False) if self.config.resume else (None, None)
@@ -118,6 +120,31 @@ class Resuming:
         self.resume_source = source if found is not None else None
         self._chosen_manifest = (found, manifest)  # parsed once, by the choice; load() reuses it
         return found
+
+    def _continues_restore_from(self) -> bool:
+        """Whether ``LATEST`` is this run's own continuation of ``restore_from``: saved under this
+        run's id (the environment's: a requeued Slurm job keeps its job id) with ``restore_from`` in
+        its lineage. Then the same command line started again (a requeue, an in-job restart)
+        resumes from ``LATEST`` rather than going back to ``restore_from`` at every start and
+        setting its own progress aside; a run of another id still starts from ``restore_from``.
+        Decided on rank 0 (a collective)."""
+        verdict = None
+        if self.ctx.rank == 0 and self.run_id is not None:
+            path = Path(self.config.restore_from)
+            target = path if path.is_absolute() or path.exists() else self.root / path
+            try:
+                latest = read_pointer(self.root, LATEST)
+            except PointerError:
+                latest = None
+            if latest is not None and latest.is_dir() and meta_of(latest).get("run_id") == self.run_id and descends_from(self.root, latest, target):
+                verdict = latest.name
+                log.info(
+                    "checkpoint.restore_from=%s: LATEST (%s) continues it in this run (id %s, e.g. a requeued job): resuming from LATEST",
+                    self.config.restore_from,
+                    latest.name,
+                    self.run_id,
+                )
+        return self.ctx.broadcast_object(verdict) is not None
 
     def _find_load_path(self) -> tuple[Path, dict[str, Any]]:
         """``load_path`` as a checkpoint directory, or as a root whose ``LATEST`` (with fallback) is followed."""

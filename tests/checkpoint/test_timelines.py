@@ -157,3 +157,24 @@ def test_lowest_val_naming_a_checkpoint_set_aside_follows_it_and_is_put_back_if_
     with pytest.raises(OSError):
         _rename_into_place(root, missing, root / "epoch_0_step_30", parent=None)
     assert read_pointer(root, LOWEST_VAL).name == "epoch_0_step_30" and (root / "epoch_0_step_30").is_dir()
+
+
+def test_a_requeued_run_with_restore_from_resumes_its_own_latest_and_a_new_run_goes_back(tmp_path, monkeypatch):
+    """Found by a newcomer: under Slurm every requeue repeats the command line, so a job started
+    with checkpoint.restore_from went back to it at every attempt and set its own progress aside
+    as "another timeline". A start whose LATEST was saved under the same run id (the Slurm job's,
+    kept across requeues; here RESILIENCE_RUN_ID) and continues restore_from resumes LATEST; a run
+    of another id, or without one, still starts from restore_from."""
+    for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    root = tmp_path / "ck"
+    monkeypatch.setenv("RESILIENCE_RUN_ID", "job-a")
+    assert train_in_process(root, 6) == [1, 2, 3, 4, 5, 6]
+    monkeypatch.setenv("RESILIENCE_RUN_ID", "job-b")
+    assert train_in_process(root, 4, restore_from="epoch_0_step_2") == [3, 4]  # the rollback
+    assert train_in_process(root, 6, restore_from="epoch_0_step_2") == [5, 6]  # job-b requeued: its own LATEST
+    assert not [n for n in names(root) if n.startswith("epoch_0_step_4.abandoned") and validate(root / n)["meta"]["run_id"] == "job-b"]
+    monkeypatch.setenv("RESILIENCE_RUN_ID", "job-c")
+    assert train_in_process(root, 6, restore_from="epoch_0_step_2") == [3, 4, 5, 6]  # a new job goes back
+    monkeypatch.delenv("RESILIENCE_RUN_ID")
+    assert train_in_process(root, 6, restore_from="epoch_0_step_2") == [3, 4, 5, 6]  # no run id: as written

@@ -70,6 +70,21 @@ def lineage(root: Path, head: Path) -> list[Path]:
         meta = meta_of(path)
 
 
+def descends_from(root: Path, head: Path, ancestor: Path) -> bool:
+    """True when checkpoint ``head`` (under ``root``) is ``ancestor`` or continues it: its
+    ``checkpoint_id`` is that of ``head`` or of one of its ancestors under ``root``, or the parent
+    the oldest of them names (a checkpoint outside ``root``, named by id only)."""
+    wanted = meta_of(ancestor).get("checkpoint_id")
+    if not wanted:
+        return False
+    chain = lineage(root, head)
+    ids = {meta_of(path).get("checkpoint_id") for path in chain}
+    oldest_parent = meta_of(chain[-1]).get("parent")
+    if isinstance(oldest_parent, dict):
+        ids.add(oldest_parent.get("checkpoint_id"))
+    return wanted in ids
+
+
 def set_aside(root: Path, directory: Path) -> Path:
     """Rename ``directory`` to ``<name>.abandoned-<UTC time>[-N]`` under ``root`` (durably); returns the new path."""
     base = f"{directory.name}{ABANDONED_INFIX}{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
