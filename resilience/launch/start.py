@@ -84,7 +84,9 @@ def launch(
             set when ``None``.
 
     Ranks inherit stdin/stdout/stderr and the launcher's process group. Returns the
-    :class:`RankGroup`; use it as a context manager so no rank outlives the caller.
+    :class:`RankGroup`; use it as a context manager so no rank outlives the caller. A rank that
+    runs :func:`~resilience.resilient_loop` is also SIGKILLed by the kernel when the thread that
+    called this ends (:mod:`resilience.parent_death`): call it from a thread that outlives the ranks.
 
     Raises:
         ValueError: a bad argument (named in the message), or no way to pick a port.
