@@ -42,6 +42,17 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     return peft is not None and isinstance(unwrap(model), peft.PeftModel)
 
 
+def peft_unsaved_trainable(model: torch.nn.Module) -> list[str]:
+    """Names of the trainable parameters of a PEFT ``model`` that its adapter checkpoint would not
+    hold (peft's ``get_peft_model_state_dict``: the adapters and ``modules_to_save``), such as a base
+    model's norm unfrozen by hand; matched by storage, so peft's renaming of keys does not matter."""
+    from peft import get_peft_model_state_dict
+
+    inner = unwrap(model)
+    saved = {t.untyped_storage().data_ptr() for t in get_peft_model_state_dict(inner).values() if isinstance(t, torch.Tensor)}
+    return [name for name, p in inner.named_parameters() if p.requires_grad and p.untyped_storage().data_ptr() not in saved]
+
+
 def is_hf_model(model: torch.nn.Module) -> bool:
     """True for a ``transformers.PreTrainedModel`` (possibly wrapped)."""
     transformers = sys.modules.get("transformers")
