@@ -38,7 +38,18 @@ class StepScheduler:
         return loader_length is not None and self.batches_in_epoch >= loader_length
 
     def finish_epoch(self) -> None:
-        """Move to the next epoch's first batch."""
+        """Move to the next epoch's first batch.
+
+        Raises:
+            ValueError: the epoch ending had no batch: an empty dataloader, or a one-shot iterator
+                (a generator) used up by an earlier epoch. Training would "finish" with no step and
+                its final checkpoint would stop the next run from training too.
+        """
+        if self.batches_in_epoch == 0:
+            raise ValueError(
+                f"the dataloader yielded no batch in epoch {self.epoch}: an empty dataset, or a one-shot iterator (a generator) "
+                "used up by an earlier epoch; pass a loader that can be iterated once per epoch (a DataLoader, a list)"
+            )
         self.epoch += 1
         self.batches_in_epoch = 0
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from resilience.state import tagged_json
+from resilience.state.data_position import loader_length
 
 # An extra state's name becomes a file name (extra/<name>.json): no separators, no leading dot.
 _EXTRA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -26,12 +27,12 @@ class TrainingState:
 
     Raises (at construction, so a bad object fails before any training rather than at the first
     save, where a preemption's save would be lost):
-        TypeError: ``model`` is not a ``torch.nn.Module``; an ``optimizer`` whose ``step()`` needs a
+        TypeError: ``model`` is not a ``torch.nn.Module``; a ``tokenizer`` without ``save_pretrained()``; an ``optimizer`` whose ``step()`` needs a
             closure (LBFGS: it could not be resumed); ``optimizer``, ``lr_scheduler`` or an
             ``extra`` value lacks ``state_dict()``/``load_state_dict()``; the ``lr_scheduler``'s or
             an ``extra`` state holds a value that cannot be checkpointed (the message names
             where, e.g. ``extra.ema.shadow[2]``; see :mod:`resilience.state.tagged_json`).
-        ValueError: an ``extra`` name that cannot be a file name (accepted: letters, digits,
+        ValueError: a ``dataloader`` of length 0; an ``extra`` name that cannot be a file name (accepted: letters, digits,
             ``_``, ``.``, ``-``, not starting with ``.`` or ``-``, at most 243 characters).
     """
 
@@ -46,10 +47,17 @@ class TrainingState:
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(self.model).__name__}")
+        if loader_length(self.dataloader) == 0:
+            raise ValueError("dataloader: it has no batches (len() is 0): an empty dataset, or batch_size larger than it with drop_last=True")
         if _check_stateful("optimizer", self.optimizer):
             _check_step_without_closure(self.optimizer)
         if _check_stateful("lr_scheduler", self.lr_scheduler):
             tagged_json.encode(self.lr_scheduler.state_dict(), lambda tensor: None, "lr_scheduler.state_dict()")  # raises naming the value
+        if self.tokenizer is not None and not callable(getattr(self.tokenizer, "save_pretrained", None)):
+            raise TypeError(
+                f"tokenizer: a {type(self.tokenizer).__name__} has no save_pretrained() to save it with the model; "
+                "accepted: a Hugging Face tokenizer (transformers' PreTrainedTokenizer(Fast), e.g. PreTrainedTokenizerFast(tokenizer_object=...))"
+            )
         for name, obj in self.extra.items():
             if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name) or len(name) > _EXTRA_NAME_MAX:
                 raise ValueError(

@@ -78,3 +78,21 @@ def test_a_plain_shuffled_dataloader_resumes_in_a_later_epoch_with_the_same_orde
     assert {s: reference[s] for s in resumed} == resumed  # same samples in the same order
     assert {s: ref_losses[s] for s in losses} == losses  # and the same training (bitwise)
     assert sorted(i for s in range(11, 21) for i in (first | resumed)[s]) == list(range(40))  # epoch 1 whole
+
+
+def test_an_empty_loader_is_refused_at_resilient_loop_and_a_used_up_generator_fails_instead_of_finishing(tmp_path):
+    """Found by a newcomer: an empty DataLoader 'completed' all epochs with no step, published a
+    final checkpoint, and the run with the data fixed resumed it and trained nothing."""
+    model = torch.nn.Linear(1, 1)
+    cfg = {"step_scheduler": {"num_epochs": 3}, "checkpoint": {"checkpoint_dir": str(tmp_path / "ck")}}
+    empty = DataLoader(TensorDataset(torch.arange(0)), batch_size=4)
+    with pytest.raises(ValueError, match=r"dataloader: it has no batches \(len\(\) is 0\)"):
+        resilient_loop(cfg, model=model, dataloader=empty)
+    one_shot = (torch.ones(1) for _ in range(3))  # a generator: epoch 1 finds it used up
+    seen = []
+    with pytest.raises(ValueError, match=r"the dataloader yielded no batch in epoch 1: .*one-shot iterator"):
+        with resilient_loop(cfg, model=model, dataloader=one_shot) as loop:
+            for step in loop:
+                seen.append(step.global_step)
+    assert seen == [1, 2, 3] and loop.exit_code == ExitCode.FAILED
+    assert not (tmp_path / "ck" / "LATEST").exists()  # no 'final' checkpoint to stop the next run
