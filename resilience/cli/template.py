@@ -67,6 +67,12 @@ def run(args: argparse.Namespace) -> int:
                 f'preemption_signal, ...) will not reach it; add e.g. script_args: [--config, "{CONFIG_PLACEHOLDER}"]',
                 file=sys.stderr,
             )
+        elif not Path(config.slurm.script).expanduser().exists():
+            print(
+                f"resilience template: slurm.script {config.slurm.script} does not exist here; the job runs it from the directory "
+                "sbatch is called in (after slurm.setup): fine if it exists there on the cluster",
+                file=sys.stderr,
+            )
     except ConfigError as error:
         print(f"resilience template: {error}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)

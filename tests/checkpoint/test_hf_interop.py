@@ -293,3 +293,36 @@ def test_lora_adapter_checkpoint_loads_with_auto_peft_model_and_resumes(tmp_path
     fresh = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora)
     train(fresh, root, max_steps=3)
     assert torch.equal(logits(fresh, ids), logits(model, ids))
+
+
+def test_a_peft_model_with_a_trainable_parameter_outside_its_adapters_is_refused_at_resilient_loop(tmp_path):
+    """Found by a newcomer: a base norm unfrozen by hand beside LoRA was trained, then left out of
+    every checkpoint (peft saves the adapters), and came back untrained after a resume, silently.
+    modules_to_save is peft's way to keep such a module, and is accepted."""
+    from resilience.config import ConfigError
+
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    model = get_peft_model(AutoModelForCausalLM.from_config(tiny_config()), lora)
+    model.base_model.model.model.norm.weight.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"a PEFT model is checkpointed as its adapters only.*model\.norm\.weight"):
+        train(model, tmp_path / "ck", max_steps=1)
+    assert not (tmp_path / "ck" / LATEST).exists()
+    kept = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], task_type="CAUSAL_LM")
+    train(get_peft_model(AutoModelForCausalLM.from_config(tiny_config()), kept), tmp_path / "ck2", max_steps=1)
+    assert (tmp_path / "ck2" / LATEST / "model" / "adapter_model.safetensors").exists()
+
+
+def test_a_tokenizer_is_saved_with_a_torch_save_model_too_and_one_without_save_pretrained_is_refused_early(tmp_path):
+    """Found by a newcomer: with model_save_format torch_save the tokenizer was silently not saved,
+    and a tokenizers.Tokenizer (no save_pretrained) failed only at the first save."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    train(model, tmp_path / "ck", max_steps=1, tokenizer=tiny_tokenizer(), model_save_format="torch_save")
+    sidecars = tmp_path / "ck" / LATEST / "model" / "hf_metadata"
+    assert (sidecars / "tokenizer.json").exists() and (sidecars / "config.json").exists()
+    assert AutoTokenizer.from_pretrained(sidecars).get_vocab() == tiny_tokenizer().get_vocab()
+    train(model, tmp_path / "ck", max_steps=2, tokenizer=tiny_tokenizer(), model_save_format="torch_save")  # resumes beside them
+    assert (tmp_path / "ck" / LATEST).resolve().name.endswith("_step_2")
+    with pytest.raises(TypeError, match=r"tokenizer: a Tokenizer has no save_pretrained\(\)"):
+        train(model, tmp_path / "ck2", max_steps=1, tokenizer=tiny_tokenizer().backend_tokenizer)

@@ -433,3 +433,15 @@ def test_in_job_restarts_and_the_progress_timeout_reach_resilience_run() -> None
 def test_a_watchdog_setting_resilience_run_cannot_take_is_a_config_error(slurm: dict, fragment: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         config_from_dict(_variant(**slurm))
+
+
+def test_cli_warns_when_the_training_script_does_not_exist_here(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Found by a newcomer: a mistyped slurm.script rendered silently and failed only in the job."""
+    monkeypatch.chdir(tmp_path)
+    yaml_path = tmp_path / "train.yaml"
+    yaml_path.write_text('slurm:\n  script: nope.py\n  script_args: [--config, "{config}"]\n')
+    assert cli.main(["template", "slurm", str(yaml_path)]) == 0
+    assert "slurm.script nope.py does not exist here" in capsys.readouterr().err
+    (tmp_path / "nope.py").write_text("")
+    assert cli.main(["template", "slurm", str(yaml_path)]) == 0
+    assert "does not exist" not in capsys.readouterr().err

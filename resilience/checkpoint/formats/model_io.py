@@ -136,7 +136,10 @@ def save_model(
     (staging / MODEL_DIR).mkdir(exist_ok=True)
     state = state_dict if state_dict is not None else get_model_state_dict(model)
     if save_format == "torch_save":
-        return _save_dcp(staging, state, rank=rank, group=group)
+        written = _save_dcp(staging, state, rank=rank, group=group)
+        if rank == 0 and (hf_export.is_hf_model(model) or tokenizer is not None):  # as for safetensors: beside the weights
+            written += [f"{MODEL_HF_METADATA}/{rel}" for rel in hf_export.write_hf_metadata(staging / MODEL_HF_METADATA, model, tokenizer)]
+        return written
     aliases = tied_aliases(model, state) if aliases is None else aliases
     state = {key: t for key, t in state.items() if key not in aliases}
     return _save_sharded(
