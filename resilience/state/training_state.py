@@ -9,12 +9,13 @@ from typing import Any
 
 import torch
 
+from resilience.checkpoint.layout import SAFETENSORS_SUFFIX
 from resilience.state import tagged_json
 from resilience.state.data_position import loader_length
 
 # An extra state's name becomes a file name (extra/<name>.json): no separators, no leading dot.
 _EXTRA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-_EXTRA_NAME_MAX = 255 - len(".safetensors")  # NAME_MAX of Linux filesystems
+_EXTRA_NAME_MAX = 255 - len(SAFETENSORS_SUFFIX)  # NAME_MAX of Linux filesystems, less extra/<name>.safetensors's suffix
 
 
 @dataclasses.dataclass

@@ -19,6 +19,7 @@ from resilience import resilient_loop
 from resilience.checkpoint.formats import model_io
 from resilience.checkpoint.formats.consolidate import consolidate
 from resilience.checkpoint.layout import LATEST
+from resilience.checkpoint.storage.durable import record
 from resilience.checkpoint.storage.manifest import validate
 from resilience.checkpoint.storage.safetensors_file import read_safetensors_header
 
@@ -99,8 +100,12 @@ def test_a_checkpoint_saved_before_bundle_omits_copies_its_aliases_unless_its_co
     model_dir = (tmp_path / "ck" / LATEST).resolve() / "model"
     index_path = model_dir / "shard_index.json"
     index = json.loads(index_path.read_text())
-    del index["bundle_omits"]  # as written before the field existed
+    del index["bundle_omits"]  # as written before the field existed, with a manifest that says so
     index_path.write_text(json.dumps(index))
+    manifest_path = model_dir.parent / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["model/shard_index.json"] = record(model_dir.parent, "model/shard_index.json").manifest_entry()
+    manifest_path.write_text(json.dumps(manifest))
     out = consolidate(model_dir, tmp_path / "no_config", progress=False)
     assert sorted(stored_keys(out, "model-*.safetensors")) == ["emb.weight", "head.weight", "mid.bias", "mid.weight"]
     (model_dir / "hf_metadata").mkdir()
