@@ -161,3 +161,30 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_at_resilient_loop(tm
     cfg = {"checkpoint": {"checkpoint_dir": str(tmp_path / "ck")}}
     with pytest.raises(TypeError, match=r"optimizer: LBFGS\.step\(\) needs a closure"):
         resilient_loop(cfg, model=model, optimizer=torch.optim.LBFGS(model.parameters()), dataloader=[0])
+
+
+def _tensor_lr_run(root, max_steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01), betas=(0.8, 0.9))
+    batches = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    cfg = {"step_scheduler": {"max_steps": max_steps, "ckpt_every_steps": 2}, "checkpoint": {"checkpoint_dir": str(root)}}
+    with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=batches) as loop:
+        for step in loop:
+            optimizer.zero_grad()
+            model(step.batch).pow(2).mean().backward()
+            optimizer.step()
+    return model, optimizer
+
+
+def test_an_optimizer_with_a_tensor_lr_saves_and_resumes_exactly(tmp_path):
+    """A tensor lr in the param groups (as torch.compile'd and capturable setups use) failed every
+    save with 'Tensor is not JSON serializable'; the groups are tagged JSON now."""
+    straight_model, straight = _tensor_lr_run(tmp_path / "straight", 6)
+    _tensor_lr_run(tmp_path / "ck", 4)
+    model, resumed = _tensor_lr_run(tmp_path / "ck", 6)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), straight_model.parameters()))
+    group = resumed.param_groups[0]
+    assert isinstance(group["lr"], torch.Tensor) and torch.equal(group["lr"], straight.param_groups[0]["lr"])
+    assert group["betas"] == (0.8, 0.9) and type(group["betas"]) is tuple
+    assert_same_optimizer(resumed, straight)

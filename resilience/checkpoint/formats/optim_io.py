@@ -47,7 +47,9 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, An
         TypeError: a state value the codec cannot hold (naming where).
     """
     tensors: dict[str, torch.Tensor] = {}
-    skeleton: dict[str, Any] = {"param_groups": state["param_groups"], "state": {}}
+    # param groups are tagged JSON too: a tensor lr (Adam(..., lr=torch.tensor(1e-3))) is kept inline
+    groups = tagged_json.encode(state["param_groups"], tagged_json.tensor_to_json, "optimizer.param_groups")
+    skeleton: dict[str, Any] = {"param_groups": groups, "state": {}}
     for fqn, entries in state["state"].items():
         skel = skeleton["state"][fqn] = {}
 
@@ -156,8 +158,9 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
                 state[fqn][name] = tensors[spec["tensor"]]
             elif "tagged" in spec:
                 state[fqn][name] = tagged_json.decode(spec["tagged"], lambda part, entries=entries: tensors[entries[part]["tensor"]])
-    # JSON has no tuples: give back the tuple form the optimizer uses (AdamW's ``betas``), so the
-    # restored param_groups equal the saved ones rather than holding lists.
+    skeleton["param_groups"] = tagged_json.decode(skeleton["param_groups"], tagged_json.tensor_from_json)
+    # Skeletons written before param groups were tagged hold lists where the optimizer uses tuples
+    # (AdamW's ``betas``): give back the tuple form, so the restored groups equal the saved ones.
     for saved, current in zip(skeleton["param_groups"], optimizer.param_groups):
         for key, value in saved.items():
             if isinstance(value, list) and isinstance(current.get(key), tuple):
