@@ -126,10 +126,11 @@ class HistorySGD(torch.optim.Optimizer):
                 p.add_(torch.stack(history).mean(0), alpha=-group["lr"])
 
 
-def _history_run(root, max_steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _optim_run(root, max_steps: int, make_optimizer) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A Linear(3, 1) trained ``max_steps`` steps with ``make_optimizer(params)``, saving every 2."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
-    optimizer = HistorySGD(model.parameters())
+    optimizer = make_optimizer(model.parameters())
     batches = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(6)]
     cfg = {"step_scheduler": {"max_steps": max_steps, "ckpt_every_steps": 2}, "checkpoint": {"checkpoint_dir": str(root)}}
     with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=batches) as loop:
@@ -138,6 +139,10 @@ def _history_run(root, max_steps: int) -> tuple[torch.nn.Module, torch.optim.Opt
             model(step.batch).pow(2).mean().backward()
             optimizer.step()
     return model, optimizer
+
+
+def _history_run(root, max_steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    return _optim_run(root, max_steps, HistorySGD)
 
 
 def test_an_optimizer_state_holding_a_list_of_tensors_and_a_tuple_resumes_exactly(tmp_path):
@@ -164,17 +169,7 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_at_resilient_loop(tm
 
 
 def _tensor_lr_run(root, max_steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01), betas=(0.8, 0.9))
-    batches = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    cfg = {"step_scheduler": {"max_steps": max_steps, "ckpt_every_steps": 2}, "checkpoint": {"checkpoint_dir": str(root)}}
-    with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=batches) as loop:
-        for step in loop:
-            optimizer.zero_grad()
-            model(step.batch).pow(2).mean().backward()
-            optimizer.step()
-    return model, optimizer
+    return _optim_run(root, max_steps, lambda params: torch.optim.Adam(params, lr=torch.tensor(0.01), betas=(0.8, 0.9)))
 
 
 def test_an_optimizer_with_a_tensor_lr_saves_and_resumes_exactly(tmp_path):
