@@ -20,14 +20,14 @@ import torch
 from resilience.checkpoint.async_writer import AsyncWriter
 from resilience.checkpoint.layout import checkpoint_name
 from resilience.checkpoint.loading import Restored
-from resilience.checkpoint.parts import checkpoint_parts, epoch_of
+from resilience.checkpoint.parts import Part, checkpoint_parts, epoch_of
 from resilience.checkpoint.policy import retention
 from resilience.checkpoint.policy.lowest_val import LowestVal, json_safe, select_metric
 from resilience.checkpoint.policy.savable import check_savable
 from resilience.checkpoint.policy.world_size import world_size_problem
 from resilience.checkpoint.resume import Resuming
 from resilience.checkpoint.staging import StagingBuffers
-from resilience.checkpoint.writer import Part, failure, phase, publish, raise_publish_verdict, write_checkpoint
+from resilience.checkpoint.writer import SAVE_FAILURES, describe_failure, phase, publish, raise_publish_verdict, write_checkpoint
 from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
 from resilience.state.batch_size import epoch_complete
@@ -214,10 +214,15 @@ class Checkpointer(Resuming):
         records = write_checkpoint(ctx, self.root, name, parts)  # every rank's files durable, or raise
         error = None
         if ctx.rank == 0:
-            error = failure(publish, self.root, name, records, meta)  # manifest, rename, LATEST
-            if error is None:
-                after = failure(self._after_publish, self.root / name, value)
-                error = after and f"after publishing (the checkpoint itself is published): {after}"
+            try:
+                publish(self.root, name, records, meta)  # manifest, rename, LATEST
+            except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+                error = describe_failure(exc)
+            else:
+                try:
+                    self._after_publish(self.root / name, value)  # LOWEST_VAL, retention
+                except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+                    error = f"after publishing (the checkpoint itself is published): {describe_failure(exc)}"
         raise_publish_verdict(ctx, name, error)
         return self.root / name
 

@@ -56,7 +56,7 @@ def load_state(
 ) -> Restored:
     """Load the checkpoint in ``directory`` (its parsed ``manifest``) into ``state`` (a collective over ``ctx``).
 
-    ``check`` (from :func:`~resilience.checkpoint.reader.load_verified`) digests the files of
+    ``check`` (from :func:`~resilience.checkpoint.reader.checking_while_loading`) digests the files of
     this rank's share that are read whole (:func:`inline_files`) as their bytes pass.
 
     ``weights_only``: load the model weights and nothing else. A checkpoint saved without

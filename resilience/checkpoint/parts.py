@@ -1,4 +1,4 @@
-"""What goes into a checkpoint: the :class:`~resilience.checkpoint.writer.Part` list of one save.
+"""What goes into a checkpoint: the :class:`Part` list of one save.
 
 Every value is captured when the list is built; the parts only write it (in the background for
 an asynchronous save), so training may change the live objects as soon as the list exists. A
@@ -9,12 +9,14 @@ called with.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -25,13 +27,43 @@ from resilience.checkpoint.formats.extra_state import save_extra_state
 from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, RNG_DIR, STEP_SCHEDULER, TRASH_PREFIX, dataloader_rank_file, rng_rank_file
 from resilience.checkpoint.policy.lowest_val import json_safe
 from resilience.checkpoint.staging import StagingBuffers
-from resilience.checkpoint.writer import Part
+from resilience.checkpoint.storage.durable import FileRecord
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.data_position import data_position_json, loader_length
 from resilience.state.rng import capture_rng_state, write_rng_state
 from resilience.state.step_scheduler import StepScheduler
 from resilience.state.training_state import TrainingState
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One piece of a checkpoint on this rank, as data: ``write(staging_dir, *args, **kwargs)``, a
+    plain function, with the values it writes (captured when the part was made) in ``args`` and
+    ``kwargs``. It returns the files it wrote, each a path relative to the staging directory
+    (fsync'd and digested afterwards by reading it back) or a :class:`FileRecord` of a file
+    already fsync'd and digested while it was written.
+
+    ``by`` says who writes it: ``"each rank"`` (its own files: model shard, RNG, data
+    position), ``"rank 0"`` (the run's records, built on rank 0 only) or ``"all ranks"`` (one
+    collective write, DCP: every rank runs it, in the same order, after its own parts).
+    ``after_peers`` parts run once every rank's other parts are durable, for a part that reads
+    files other ranks wrote (the Hugging Face bundle of a sharded model, streamed from every
+    rank's shards); every rank must have the same number of them (they end with one more
+    all-gather).
+    """
+
+    name: str
+    write: Callable[..., list[str | FileRecord]]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    by: Literal["each rank", "rank 0", "all ranks"] = "each rank"
+    after_peers: bool = False
+
+    @property
+    def collective(self) -> bool:
+        """Whether every rank must run this part together (``by == "all ranks"``)."""
+        return self.by == "all ranks"
 
 
 def checkpoint_parts(

@@ -5,7 +5,7 @@ Rank 0 follows ``LATEST`` (or ``restore_from``), checks the manifest and every f
 when the target is missing or incomplete falls back with a warning, in the order of
 :func:`~resilience.checkpoint.resume_choice.resume_candidates` (its lineage first, then older
 checkpoints); the manifest it parsed goes to every rank with the choice. Every rank then loads
-the chosen directory while checking its share of the files (:func:`load_verified`): the files
+the chosen directory while checking its share of the files (:func:`checking_while_loading`): the files
 the loader reads whole (our safetensors files) are digested as their bytes pass, the others by a
 background thread beside the load; every byte is read once, instead of a full checksum pass
 before the load, which read everything twice. A checkpoint whose bytes differ from its manifest
@@ -14,9 +14,10 @@ is marked bad on every rank's behalf, so the next choice skips it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -95,7 +96,7 @@ def find_resume_point(
     parses the manifest once; every rank receives both.
 
     ``checksums=False`` checks sizes only (one ``stat`` per file): for a caller that loads the
-    choice with :func:`load_verified`, which checks the bytes while they are read.
+    choice with :func:`checking_while_loading`, which checks the bytes while they are read.
 
     Raises:
         CheckpointNotFound: on every rank, when ``restore_from`` is given but missing or invalid
@@ -117,28 +118,29 @@ def find_resume_point(
     return (Path(chosen), manifest) if chosen else (None, None)
 
 
-def load_verified(ctx: DistContext, directory: Path, manifest: dict[str, Any], load: Callable[[ContentCheck], T], *, inline: Iterable[str] = ()) -> T:
-    """``load(check)`` (which reads ``directory``) while this rank digests its share of the
-    checkpoint's files, listed in its parsed ``manifest``; a collective over ``ctx``.
+@contextlib.contextmanager
+def checking_while_loading(ctx: DistContext, directory: Path, manifest: dict[str, Any], *, inline: Iterable[str] = ()) -> Iterator[ContentCheck]:
+    """Around the load of ``directory``: this rank digests its share of the checkpoint's files,
+    listed in its parsed ``manifest``, while the ``with`` body loads; a collective over ``ctx``
+    (every rank enters and leaves it, failed or not).
 
-    The shares are balanced by size, so every file is checked once across the ranks. ``check``
-    (a :class:`~resilience.checkpoint.storage.content_check.ContentCheck`) lets the loader digest
-    a file of the share itself as it reads it (``check.claim``/``check.report``): ``inline``
+    The shares are balanced by size, so every file is checked once across the ranks. The
+    :class:`~resilience.checkpoint.storage.content_check.ContentCheck` it yields lets the loader
+    digest a file of the share itself as it reads it (``check.claim``/``check.report``): ``inline``
     names the files it is expected to; a background thread digests the rest of the share during
-    the load, and after it whatever the loader did not report. Returns what ``load`` returned.
+    the load, and after it whatever the loader did not report.
 
-    Raises:
-        CheckpointCorrupted: on every rank, when any file's digest differs from the manifest or
-            ``load`` failed on a file that did (``directory`` is then marked bad).
-        Exception: ``load``'s own error when the bytes were intact (a peer's, as RuntimeError).
+    Raises, on leaving the ``with``:
+        CheckpointCorrupted: on every rank, when any file's digest differs from the manifest,
+            whatever else failed (``directory`` is then marked bad).
+        Exception: the body's own error when the bytes were intact (a peer's, as RuntimeError).
     """
     files = {rel: want for rel, want in manifest["files"].items() if needed_to_resume(rel)}  # not the bundle: never read
     check = ContentCheck(directory, files, _share(files, ctx.rank, ctx.world_size), inline=inline)
     check.start()
     error: BaseException | None = None
-    result = None
     try:
-        result = load(check)
+        yield check
     except (KeyboardInterrupt, SystemExit):
         check.abandon()  # leave now: no digest pass of what the load did not reach
         raise
@@ -146,18 +148,21 @@ def load_verified(ctx: DistContext, directory: Path, manifest: dict[str, Any], l
         error = exc
     finally:
         check.finish()
-    reports = ctx.all_gather_object((check.problem, None if error is None else f"{type(error).__name__}: {error}"))
-    problems = [problem for problem, _ in reports if problem]
-    if problems:
-        if ctx.rank == 0:
-            mark_bad(directory, problems[0])
-        raise CheckpointCorrupted(problems[0]) from error
-    if error is not None:
-        raise error
-    failed = [(rank, why) for rank, (_, why) in enumerate(reports) if why]
-    if failed:
-        raise RuntimeError(f"loading {directory.name} failed on rank {failed[0][0]}: {failed[0][1]}")
-    return result  # type: ignore[return-value]
+    # Two verdicts, in order: corrupt bytes anywhere (the checkpoint is bad, whatever else failed),
+    # then a load that failed on intact bytes (this rank's own error raised as itself).
+    ctx.gather_or_raise(check.problem, fail=lambda detail: _corrupted(ctx, directory, detail, error))
+    own = None if error is None else f"{type(error).__name__}: {error}"
+    ctx.gather_or_raise(own, fail=lambda detail: error or RuntimeError(f"loading {directory.name} failed on {detail}"))
+
+
+def _corrupted(ctx: DistContext, directory: Path, detail: str, cause: BaseException | None) -> CheckpointCorrupted:
+    """The error every rank raises for corrupt files (``detail``: each rank's finding); rank 0
+    marks ``directory`` bad first, so no later start chooses it again."""
+    if ctx.rank == 0:
+        mark_bad(directory, detail)
+    corrupted = CheckpointCorrupted(detail)
+    corrupted.__cause__ = cause
+    return corrupted
 
 
 def _share(files: dict[str, Any], rank: int, world_size: int) -> list[str]:

@@ -2,7 +2,7 @@
 
 :meth:`Resuming.restore` is the whole resume: remove a crashed save's leftovers, choose the
 checkpoint (rank 0, :mod:`~.reader` and :mod:`~.resume_choice`; the manifest parsed once), load it
-into the registered state while its bytes are digested (:func:`~.reader.load_verified`,
+into the registered state while its bytes are digested (:func:`~.reader.checking_while_loading`,
 :func:`~.loading.load_state`), fall back to an older one when it turns out corrupt, and re-express
 the step counters and data position for this run's batch size. The one :class:`Restored` it
 returns is applied by the loop: the counters at once, the RNG and data position when the epoch's
@@ -19,9 +19,8 @@ from typing import Any
 from resilience.checkpoint.layout import LATEST, MANIFEST, parse_checkpoint_name
 from resilience.checkpoint.loading import Restored, inline_files, load_state
 from resilience.checkpoint.policy.lineage import descends_from, meta_of, parent_ref
-from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, find_resume_point, load_verified
+from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, checking_while_loading, find_resume_point
 from resilience.checkpoint.resume_choice import remove_leftovers
-from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.manifest import read_manifest
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 from resilience.state.batch_size import continue_with_batch_size
@@ -168,7 +167,7 @@ class Resuming:
         (and a warning). Either way an optimizer's ``reload_main_params_from_model()``, where it
         has one, rebuilds its FP32 master copy from the loaded weights.
 
-        Every byte is checked against the manifest while it is read (:func:`load_verified`).
+        Every byte is checked against the manifest while it is read (:func:`~.reader.checking_while_loading`).
 
         Raises:
             ValueError: the checkpoint was written with a different world size.
@@ -180,10 +179,8 @@ class Resuming:
             manifest = read_manifest(directory)
         weights_only = self.config.no_load_optim and self.resume_source in ("load_path", "restore_from")
         inline = inline_files(manifest, state, weights_only=weights_only)
-        return load_verified(self.ctx, directory, manifest, lambda check: self._load(directory, manifest, state, weights_only, check), inline=inline)
-
-    def _load(self, directory: Path, manifest: dict[str, Any], state: TrainingState, weights_only: bool, check: ContentCheck) -> Restored:
-        restored = load_state(directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check)
+        with checking_while_loading(self.ctx, directory, manifest, inline=inline) as check:
+            restored = load_state(directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check)
         if not weights_only:
             if self.ctx.rank == 0 and self.resume_source != "load_path":
                 self.lowest_val.reload()  # the best so far survives the restart

@@ -21,7 +21,6 @@ A failure at any point leaves the previous checkpoint and ``LATEST`` untouched.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -29,7 +28,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, STAGING_PREFIX, TRASH_PREFIX
 from resilience.checkpoint.policy.lineage import describe, is_checkpoint_named, set_aside
@@ -39,47 +38,21 @@ from resilience.checkpoint.storage.manifest import write_manifest
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer, write_pointer
 from resilience.distributed import DistContext
 
+if TYPE_CHECKING:  # parts.py builds the parts; the writer only runs them
+    from resilience.checkpoint.parts import Part
+
 try:  # DCP's CheckpointException derives from BaseException, not Exception
     from torch.distributed.checkpoint.api import CheckpointException as _DCPError
 except ImportError:  # pragma: no cover - torch without DCP
     _DCPError = Exception
-_FAILURES = (Exception, _DCPError)
+SAVE_FAILURES = (Exception, _DCPError)
+"""What a save step catches and hands to every rank (DCP's error is a ``BaseException``)."""
 
 log = logging.getLogger("resilience.checkpoint")
 
 
 class CheckpointSaveError(RuntimeError):
     """A save failed on at least one rank. Raised on every rank; ``LATEST`` was not moved."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Part:
-    """One piece of a checkpoint on this rank, as data: ``write(staging_dir, *args, **kwargs)``, a
-    plain function, with the values it writes (captured when the part was made) in ``args`` and
-    ``kwargs``. It returns the files it wrote, each a path relative to the staging directory
-    (fsync'd and digested afterwards by reading it back) or a :class:`FileRecord` of a file
-    already fsync'd and digested while it was written.
-
-    ``by`` says who writes it: ``"each rank"`` (its own files: model shard, RNG, data
-    position), ``"rank 0"`` (the run's records, built on rank 0 only) or ``"all ranks"`` (one
-    collective write, DCP: every rank runs it, in the same order, after its own parts).
-    ``after_peers`` parts run once every rank's other parts are durable, for a part that reads
-    files other ranks wrote (the Hugging Face bundle of a sharded model, streamed from every
-    rank's shards); every rank must have the same number of them (they end with one more
-    all-gather).
-    """
-
-    name: str
-    write: Callable[..., list[str | FileRecord]]
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    by: Literal["each rank", "rank 0", "all ranks"] = "each rank"
-    after_peers: bool = False
-
-    @property
-    def collective(self) -> bool:
-        """Whether every rank must run this part together (``by == "all ranks"``)."""
-        return self.by == "all ranks"
 
 
 # A test hook: called with the phase name before each filesystem step of the save
@@ -99,11 +72,11 @@ def _failed(name: str, what: str) -> Callable[[str], CheckpointSaveError]:
     return lambda detail: CheckpointSaveError(f"saving checkpoint {name} failed while {what} ({detail}); {LATEST} was not moved")
 
 
-def _describe(exc: BaseException) -> str:
-    """One line per root cause: DCP wraps each rank's error (with its traceback) in one exception."""
+def describe_failure(exc: BaseException) -> str:
+    """``exc`` in one line per root cause: DCP wraps each rank's error (with its traceback) in one exception."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        causes = {_describe(value[0] if isinstance(value, tuple) else value) for value in failures.values()}
+        causes = {describe_failure(value[0] if isinstance(value, tuple) else value) for value in failures.values()}
         return "; ".join(sorted(causes))
     return "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
 
@@ -126,8 +99,8 @@ def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part])
             if staging.exists():
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
-        except _FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
-            error = _describe(exc)
+        except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+            error = describe_failure(exc)
     ctx.gather_or_raise(error, fail=_failed(name, "creating the staging directory"))
 
     # 2. every rank writes its parts, fsyncs and digests them; then those that read them all
@@ -162,20 +135,10 @@ def publish(root: Path, name: str, records: list[FileRecord], meta: dict[str, An
         _rename_into_place(root, staging, final, parent=meta.get("parent"))
         phase("pointer")
         write_pointer(root, LATEST, final)
-    except _FAILURES:
+    except SAVE_FAILURES:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return final
-
-
-def failure(fn: Callable[..., Any], *args: Any) -> str | None:
-    """Run ``fn(*args)``: ``None``, or the one-line description of its failure (for
-    :meth:`DistContext.gather_or_raise`, which raises it on every rank)."""
-    try:
-        fn(*args)
-    except _FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
-        return _describe(exc)
-    return None
 
 
 def raise_publish_verdict(ctx: DistContext, name: str, error: str | None) -> None:
@@ -218,18 +181,18 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
         try:
             try:
                 phase("parts")
-            except _FAILURES as exc:
+            except SAVE_FAILURES as exc:
                 if stop_at_error:
                     raise
-                error = error or f"{part.name}: {_describe(exc)}"
+                error = error or f"{part.name}: {describe_failure(exc)}"
             for written in part.write(staging, *part.args, **part.kwargs):
                 if isinstance(written, FileRecord):  # digested while written, and fsync'd
                     records.append(written)
                 else:  # written by a library that hides its bytes: fsync, then read back
                     fsync_file(staging / written)
                     records.append(record(staging, written))
-        except _FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
-            error = error or f"{part.name}: {_describe(exc)}"
+        except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+            error = error or f"{part.name}: {describe_failure(exc)}"
     return records, error
 
 

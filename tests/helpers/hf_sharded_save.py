@@ -82,7 +82,8 @@ def save_shards(staging: Path) -> list[str]:
 def save_with_our_writer() -> None:
     """The shards as a collective part of a checkpoint, beside the bundle part ``checkpoint_parts`` makes."""
     from resilience.checkpoint import parts as checkpoint_parts
-    from resilience.checkpoint.writer import CheckpointSaveError, Part, publish, write_checkpoint
+    from resilience.checkpoint.parts import Part
+    from resilience.checkpoint.writer import CheckpointSaveError, publish, write_checkpoint
     from resilience.config import config_from_dict
     from resilience.distributed import DistContext
     from resilience.state.training_state import TrainingState

@@ -219,6 +219,24 @@ class CorruptedInput(Exception):
     """A file the bundle would be made from does not match the checkpoint's manifest."""
 
 
+def cpu_copies(state: dict[str, torch.Tensor]):
+    """A ``fetch`` for :func:`write_bundle` from tensors in memory: ``cpu(key)`` is the tensor on the CPU, contiguous, never sharing storage with another key
+    (safetensors refuses aliases such as tied weights). Copies are made only when asked for."""
+    first_key: dict[tuple[int, int], str] = {}
+    for key, t in state.items():
+        first_key.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), key)
+
+    def cpu(key: str) -> torch.Tensor:
+        t = state[key].detach()
+        alias = first_key[(t.untyped_storage().data_ptr(), t.storage_offset())] != key
+        t = t.cpu() if t.device.type != "cpu" else t
+        if alias or not t.is_contiguous():
+            t = t.contiguous().clone()
+        return t
+
+    return cpu
+
+
 def write_bundle_manifest(out_dir: Path, files: Iterable[str], records: Iterable[FileRecord] = ()) -> None:
     """Write ``out_dir/bundle_manifest.json``: ``{"files": {name: {"size", digest}}}`` for
     ``records`` (files digested as they were written) and ``files`` (relative to ``out_dir``,

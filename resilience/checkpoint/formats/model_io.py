@@ -69,7 +69,7 @@ from resilience.checkpoint.layout import (
     model_shard_name,
 )
 from resilience.checkpoint.storage import dcp_io
-from resilience.checkpoint.storage.content_check import ContentCheck, read_checked
+from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.checkpoint.storage.safetensors_file import read_safetensors
 from resilience.distributed import DistContext
@@ -241,7 +241,10 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, ch
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted({info["shard"] for info in layout.values()}):
             rel = f"{MODEL_DIR}/{shard}"
-            tensors.update(read_checked(check, rel, lambda hasher, path=model_dir / shard: read_safetensors(path, live, digest=hasher)))
+            hasher = check.claim(rel) if check is not None else None  # digest the bytes as they pass
+            tensors.update(read_safetensors(model_dir / shard, live, digest=hasher))
+            if hasher is not None:
+                check.report(rel, hasher)
         if set(tensors) != set(layout):
             differ = sorted(set(tensors) ^ set(layout))[:5]
             raise ValueError(f"{model_dir}: the shards and {SHARD_INDEX} disagree on {differ}")
@@ -326,7 +329,7 @@ def _save_sharded(
     if consolidated and not pieces.is_sharded(state):
         layout = sharded_model.read_layout(staging / MODEL_DIR)
         out = staging / MODEL_CONSOLIDATED
-        cpu = _cpu_copies(state)
+        cpu = consolidation.cpu_copies(state)
         written += [
             f"{MODEL_CONSOLIDATED}/{rel}"
             for rel in consolidation.write_bundle(out, layout, fetch=cpu, sidecar_dir=sidecars, aliases=aliases, bundle_omits=index["bundle_omits"])
@@ -337,24 +340,6 @@ def _save_sharded(
 def consolidate_script() -> str:
     """The text of ``model/consolidate.sh`` (package data ``resilience/checkpoint/formats/consolidate.sh``)."""
     return importlib.resources.files("resilience.checkpoint.formats").joinpath(CONSOLIDATE_SH).read_text()
-
-
-def _cpu_copies(state: dict[str, torch.Tensor]):
-    """``cpu(key)``: the tensor on the CPU, contiguous, never sharing storage with another key
-    (safetensors refuses aliases such as tied weights). Copies are made only when asked for."""
-    first_key: dict[tuple[int, int], str] = {}
-    for key, t in state.items():
-        first_key.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), key)
-
-    def cpu(key: str) -> torch.Tensor:
-        t = state[key].detach()
-        alias = first_key[(t.untyped_storage().data_ptr(), t.storage_offset())] != key
-        t = t.cpu() if t.device.type != "cpu" else t
-        if alias or not t.is_contiguous():
-            t = t.contiguous().clone()
-        return t
-
-    return cpu
 
 
 def _file_plan(sizes: list[tuple[str, int]], originals: dict[str, dict[str, str]], max_file_bytes: int) -> tuple[dict[str, int], int]:

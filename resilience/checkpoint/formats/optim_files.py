@@ -32,7 +32,7 @@ import xxhash
 from resilience.checkpoint.balance import balance
 from resilience.checkpoint.formats.pieces import block_of, local_tensor
 from resilience.checkpoint.layout import OPTIM_DIR, optim_shard_name
-from resilience.checkpoint.storage.content_check import ContentCheck, read_checked
+from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.checkpoint.storage.safetensors_file import read_safetensors, write_safetensors
 
@@ -98,7 +98,10 @@ def load(directory: Path, skeleton: dict[str, Any], targets: dict[str, torch.Ten
     for name in skeleton["files"]:
         rel = f"{OPTIM_DIR}/{name}"
         inplace = {key: t for key, t in targets.items() if wanted.get(key, {}).get("file") == name and not isinstance(t, DTensor)}
-        got = read_checked(check, rel, lambda hasher, path=directory / rel, inplace=inplace: read_safetensors(path, inplace, digest=hasher))
+        hasher = check.claim(rel) if check is not None else None  # digest the bytes as they pass
+        got = read_safetensors(directory / rel, inplace, digest=hasher)
+        if hasher is not None:
+            check.report(rel, hasher)
         with torch.no_grad():
             for key, t in got.items():
                 if key in targets:

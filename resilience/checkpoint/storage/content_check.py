@@ -104,14 +104,3 @@ class ContentCheck(threading.Thread):
         with self._lock:
             if self.problem is None:
                 self.problem = f"{self.directory / rel}: {problem}"
-
-
-def read_checked(check: ContentCheck | None, rel: str, read: Any) -> Any:
-    """``read(hasher)``, where ``hasher`` is what ``check.claim(rel)`` gave (``None`` without a
-    check, or when this rank need not digest ``rel``); reports the digest when it was fed.
-    ``read`` must feed ``hasher`` every byte of ``rel`` in order. Returns what ``read`` returned."""
-    hasher = check.claim(rel) if check is not None else None
-    result = read(hasher)
-    if hasher is not None:
-        check.report(rel, hasher)
-    return result
