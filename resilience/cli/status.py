@@ -291,7 +291,7 @@ def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:
     """The requeue-loop guard's counts (``.starts.json``, :mod:`resilience.checkpoint.policy.progress_guard`) and
     whether, and why, the next start from ``pick`` would exit 76; ``None`` when nothing is counted."""
     from resilience.checkpoint.layout import STARTS_FILE
-    from resilience.checkpoint.policy.progress_guard import before_next_start, read, verdict
+    from resilience.checkpoint.policy.progress_guard import before_next_start, read, starts, verdict
 
     doc = read(root)
     if doc is None:
@@ -306,10 +306,11 @@ def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:
     return {
         "file": str(root / STARTS_FILE),
         "resume_point": doc["resume_point"],
-        "starts": doc["failed"] + doc["preempted"] + int(doc["running"]),
+        "starts": starts(doc),
         "failed": doc["failed"],
         "preempted": doc["preempted"],
         "running": doc["running"],
+        "refused": doc["refused"],
         "limit": limit,
         "preemption_limit": preemption_limit,
         "next_start_exits_no_progress": why is not None,

@@ -89,7 +89,9 @@ def format_status(doc: dict[str, Any]) -> str:
         lines.append(
             f"  starts in a row from {guard['resume_point'] or 'a fresh start'}: {guard['starts']} "
             f"(failed: {failed}{last}, limit {guard['limit']}; preempted cleanly before saving anything "
-            f"new: {guard['preempted']}, limit {guard['preemption_limit']})"
+            f"new: {guard['preempted']}, limit {guard['preemption_limit']}"
+            + (f"; exited 76 (NO_PROGRESS) at once: {guard['refused']}" if guard.get("refused") else "")
+            + ")"
         )
         if guard["resume_point"] != resume["checkpoint"]:  # a checkpoint saved since: progress
             lines.append(f"  the next start resumes from {resume['checkpoint'] or 'a fresh start'} instead, so it starts a new count")

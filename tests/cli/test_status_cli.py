@@ -24,6 +24,7 @@ import torch
 from resilience import cli
 from resilience.checkpoint import Checkpointer, TrainingState, writer
 from resilience.checkpoint.layout import BAD_MARKER, MANIFEST
+from resilience.checkpoint.policy.progress_guard import must_end
 from resilience.checkpoint.reader import find_resume_checkpoint
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
@@ -508,6 +509,18 @@ def test_status_shows_the_restart_guard_and_when_the_next_start_would_exit_76(da
     assert guard["starts"] == 3 and guard["limit"] == 3 and guard["next_start_exits_no_progress"] is True
     code, out, _ = run_cli(capsys, "status", str(damaged))
     assert "the next start exits 76 (NO_PROGRESS) at once" in out and ".starts.json" in out
+
+
+def test_a_start_that_exited_76_is_shown_as_such_not_as_one_that_never_reported_and_the_next_still_exits_76(damaged, capsys):
+    code, out, _ = run_cli(capsys, "status", str(damaged), "--json")
+    pick = json.loads(out)["resume"]["checkpoint"]
+    (damaged / ".starts.json").write_text(json.dumps({"resume_point": pick, "failed": 3, "preempted": 0, "running": False}))
+    for refused in (1, 2):
+        assert must_end(DistContext(), damaged, damaged / pick, limit=3) is True
+        code, out, _ = run_cli(capsys, "status", str(damaged))
+        assert f"starts in a row from {pick}: {3 + refused} (failed: 3, limit 3;" in out, out
+        assert f"exited 76 (NO_PROGRESS) at once: {refused})" in out and "has not reported" not in out
+        assert "the next start exits 76 (NO_PROGRESS) at once" in out
 
 
 @pytest.mark.parametrize(

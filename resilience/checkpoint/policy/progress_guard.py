@@ -46,8 +46,11 @@ def must_end(ctx: DistContext, root: Path, resumed_from: Path | None, limit: int
         return False
     why = None
     if ctx.rank == 0:
-        doc = count_start(root, resumed_from.name if resumed_from is not None else None)
+        resume_point = resumed_from.name if resumed_from is not None else None
+        doc = count_start(root, resume_point)
         why = verdict(doc["failed"], doc["preempted"], limit, preemption_limit)
+        if why is not None:  # this start ends here, and says so: not one that never reported
+            _write(root, {**doc, "running": False, "refused": doc["refused"] + 1})
     why = ctx.broadcast_object(why)
     if why is None:
         return False
@@ -71,8 +74,9 @@ def must_end_for(config: CheckpointConfig, ctx: DistContext, root: Path, resumed
 
 
 def read(root: Path) -> dict[str, Any] | None:
-    """The counts in ``root/.starts.json``: ``{"resume_point", "failed", "preempted", "running"}``,
-    or None when there is no readable file. A file of an older version (``{"resume_point",
+    """The counts in ``root/.starts.json``: ``{"resume_point", "failed", "preempted", "running",
+    "refused"}`` (``refused``: starts that exited ``NO_PROGRESS`` at once; they count as neither
+    failed nor preempted), or None when there is no readable file. A file of an older version (``{"resume_point",
     "starts"}``, every start counted alike) reads as that many failed starts."""
     try:
         doc = json.loads((root / STARTS_FILE).read_text())
@@ -80,7 +84,8 @@ def read(root: Path) -> dict[str, Any] | None:
             failed, preempted, running = int(doc["failed"]), int(doc.get("preempted", 0)), bool(doc.get("running"))
         else:
             failed, preempted, running = int(doc["starts"]), 0, False
-        return {"resume_point": doc.get("resume_point"), "failed": failed, "preempted": preempted, "running": running}
+        refused = int(doc.get("refused", 0))
+        return {"resume_point": doc.get("resume_point"), "failed": failed, "preempted": preempted, "running": running, "refused": refused}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -89,8 +94,13 @@ def _write(root: Path, doc: dict[str, Any]) -> None:
     path = root / STARTS_FILE
     root.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{STARTS_FILE}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps({**doc, "starts": doc["failed"] + doc["preempted"] + int(doc["running"])}))
+    tmp.write_text(json.dumps({**doc, "starts": starts(doc)}))
     os.replace(tmp, path)
+
+
+def starts(doc: dict[str, Any]) -> int:
+    """Every start counted in ``doc`` (see :func:`read`), however it ended."""
+    return doc["failed"] + doc["preempted"] + int(doc["running"]) + doc.get("refused", 0)
 
 
 def before_next_start(doc: dict[str, Any], resume_point: str | None) -> tuple[int, int]:
@@ -104,8 +114,10 @@ def before_next_start(doc: dict[str, Any], resume_point: str | None) -> tuple[in
 def count_start(root: Path, resume_point: str | None) -> dict[str, Any]:
     """Record one start from ``resume_point`` (a checkpoint name, ``None`` for a fresh start) as
     running; returns the counts of the earlier starts from it (see :func:`read`; rank 0 only)."""
-    failed, preempted = before_next_start(read(root), resume_point)
-    doc = {"resume_point": resume_point, "failed": failed, "preempted": preempted, "running": True}
+    earlier = read(root)
+    failed, preempted = before_next_start(earlier, resume_point)
+    refused = earlier["refused"] if earlier is not None and earlier["resume_point"] == resume_point else 0
+    doc = {"resume_point": resume_point, "failed": failed, "preempted": preempted, "running": True, "refused": refused}
     _write(root, doc)
     return doc
 
