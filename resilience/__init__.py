@@ -27,6 +27,7 @@ _LAZY = {
     "CheckpointNotFound": "resilience.checkpoint",
     "CheckpointCorrupted": "resilience.checkpoint",
     "CheckpointInvalid": "resilience.checkpoint",
+    "WorkerRNG": "resilience.state.worker_rng",
 }
 
 __all__ = ["ExitCode", *_LAZY]

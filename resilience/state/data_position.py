@@ -13,8 +13,9 @@ given one draws from instead and which move on every epoch too. A ``DataLoader``
 workers' base seed, then the order) only in its first epoch and resets it after, drawing only
 the order (``epoch_reset_workers``): a replay of such a later epoch first starts the workers,
 then sets the saved states and resets, so it draws what the original reset drew. Randomness
-inside persistent workers (their own RNG, carried across epochs) is not replayed; a
-``StatefulDataLoader`` saves it.
+inside persistent workers (their own RNG, carried across epochs) is not replayed. A
+``StatefulDataLoader`` skips the consumed samples without loading them, so random draws in its
+workers need :class:`~resilience.state.worker_rng.WorkerRNG`.
 """
 
 from __future__ import annotations

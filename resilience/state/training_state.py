@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from resilience.checkpoint.layout import SAFETENSORS_SUFFIX
 from resilience.state import tagged_json
 from resilience.state.data_position import loader_length
+from resilience.state.worker_rng import randomness_not_restored
 
 # An extra state's name becomes a file name (extra/<name>.json): no separators, no leading dot.
 _EXTRA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -50,6 +52,8 @@ class TrainingState:
             raise TypeError(f"model: expected a torch.nn.Module, got {type(self.model).__name__}")
         if loader_length(self.dataloader) == 0:
             raise ValueError("dataloader: it has no batches (len() is 0): an empty dataset, or batch_size larger than it with drop_last=True")
+        if (why := randomness_not_restored(self.dataloader)) is not None:
+            warnings.warn(why, UserWarning, stacklevel=3)
         if _check_stateful("optimizer", self.optimizer):
             _check_step_without_closure(self.optimizer)
         if _check_stateful("lr_scheduler", self.lr_scheduler):
