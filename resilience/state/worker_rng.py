@@ -63,18 +63,27 @@ def _tuples(value: Any) -> Any:
 
 
 def randomness_not_restored(loader: Any) -> str | None:
-    """Why random draws in ``loader``'s workers would not resume exactly, or ``None``: a
-    ``state_dict``-carrying loader (``StatefulDataLoader``) with ``num_workers > 0`` over a
-    map-style dataset without a ``state_dict`` of its own. It cannot tell whether the dataset
+    """Why random draws in ``loader``'s workers would not resume exactly, or ``None``. Two cases,
+    both with ``num_workers > 0`` over a map-style dataset without a ``state_dict`` of its own:
+    a ``state_dict``-carrying loader (``StatefulDataLoader``: it skips samples without loading
+    them), and a plain loader with ``persistent_workers`` (its workers' RNG carries across epochs,
+    which a replay from fresh workers does not reproduce). It cannot tell whether the dataset
     draws at random at all, so the caller only warns."""
     dataset = getattr(loader, "dataset", None)
-    if not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")) or not getattr(loader, "num_workers", 0):
+    workers = getattr(loader, "num_workers", 0)
+    if not workers or dataset is None or isinstance(dataset, IterableDataset) or hasattr(dataset, "state_dict"):
         return None
-    if dataset is None or isinstance(dataset, IterableDataset) or hasattr(dataset, "state_dict"):
-        return None
-    return (
-        f"dataloader: a {type(loader).__name__} with num_workers={loader.num_workers} resumes mid-epoch by skipping samples "
-        "without loading them, so random draws inside the dataset's __getitem__ (augmentation, random crops) restart from "
-        "the worker's seed and differ from an uninterrupted run; if it draws at random, wrap it: "
-        "StatefulDataLoader(resilience.WorkerRNG(dataset), ...)"
-    )
+    fix = "if it draws at random, wrap it: StatefulDataLoader(resilience.WorkerRNG(dataset), ...)"
+    if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
+        return (
+            f"dataloader: a {type(loader).__name__} with num_workers={workers} resumes mid-epoch by skipping samples "
+            "without loading them, so random draws inside the dataset's __getitem__ (augmentation, random crops) restart from "
+            f"the worker's seed and differ from an uninterrupted run; {fix}"
+        )
+    if getattr(loader, "persistent_workers", False):
+        return (
+            f"dataloader: a {type(loader).__name__} with num_workers={workers} and persistent_workers=True carries its workers' "
+            "RNG across epochs, which a resume in a later epoch does not reproduce, so random draws inside the dataset's "
+            f"__getitem__ (augmentation, random crops) differ from an uninterrupted run; {fix}"
+        )
+    return None

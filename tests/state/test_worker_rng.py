@@ -69,6 +69,13 @@ def test_without_it_the_draws_differ_and_resilient_loop_warns():
         TrainingState(model=torch.nn.Linear(1, 1), dataloader=_loader(RandomCrops()))
 
 
+def test_a_plain_loader_with_persistent_workers_warns_too_and_one_without_does_not(recwarn):
+    with pytest.warns(UserWarning, match=r"persistent_workers=True carries its workers' RNG across epochs"):
+        TrainingState(model=torch.nn.Linear(1, 1), dataloader=torch.utils.data.DataLoader(RandomCrops(), num_workers=2, persistent_workers=True))
+    TrainingState(model=torch.nn.Linear(1, 1), dataloader=torch.utils.data.DataLoader(RandomCrops(), num_workers=2))
+    assert not [w for w in recwarn if "WorkerRNG" in str(w.message)]
+
+
 def test_a_wrapped_or_worker_free_loader_gets_no_warning(recwarn):
     TrainingState(model=torch.nn.Linear(1, 1), dataloader=_loader(WorkerRNG(RandomCrops())))
     TrainingState(model=torch.nn.Linear(1, 1), dataloader=StatefulDataLoader(RandomCrops(), batch_size=2))
