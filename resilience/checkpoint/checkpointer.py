@@ -33,6 +33,7 @@ from resilience.distributed import DistContext
 from resilience.state.batch_size import epoch_complete
 from resilience.state.step_scheduler import StepScheduler
 from resilience.state.training_state import TrainingState
+from resilience.stop.interrupt import HeldInterrupt
 from resilience.timing import RunTimer
 
 __all__ = ["Checkpointer", "Restored", "SaveReason", "TrainingState"]
@@ -159,13 +160,20 @@ class Checkpointer(Resuming):
         Synchronous: returns once it is published. Asynchronous: waits for the save in flight,
         takes a snapshot and returns; training may then change every object at once.
 
+        A first SIGINT (Ctrl-C) meanwhile is held until the save returns (:class:`HeldInterrupt`).
+
         Raises:
             CheckpointSaveError: on every rank when any rank failed (for an asynchronous save: at
                 the next ``save``, ``wait`` or ``close``); ``LATEST`` is unchanged.
             AsyncSaveTimeout: the previous asynchronous save did not finish in time.
+            KeyboardInterrupt: a SIGINT arrived during the save: after it returned, or at once for a second one.
         """
         if not self.config.enabled or not self.config.enable_save:
             return None
+        with HeldInterrupt():
+            return self._save(reason)
+
+    def _save(self, reason: SaveReason) -> Path | None:
         self.wait()  # at most one save in flight; raises its failure here, on every rank
         if self.ctx.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -238,11 +246,12 @@ class Checkpointer(Resuming):
         """Wait for the asynchronous save in flight (if any) to be published; returns its directory.
 
         Raises its ``CheckpointSaveError`` (on every rank), or ``AsyncSaveTimeout`` after
-        ``checkpoint.async_timeout_s`` seconds.
+        ``checkpoint.async_timeout_s`` seconds; ``KeyboardInterrupt`` as :meth:`save` does.
         """
         if self._async is None:
             return None
-        return self._async.wait(self.config.async_timeout_s)
+        with HeldInterrupt():
+            return self._async.wait(self.config.async_timeout_s)
 
     def needs_final_save(self, step: int) -> bool:
         """Whether the end of training at ``step`` must still save: ``step`` is unsaved, or it was
@@ -261,9 +270,11 @@ class Checkpointer(Resuming):
 
     def close(self) -> None:
         """Wait for the save in flight (see :meth:`wait`), release the staging buffers and the
-        background writer's process group."""
+        background writer's process group. A SIGINT is not held here: the exit path after a first
+        Ctrl-C that interrupted training lets the save in flight publish, and a second one aborts."""
         try:
-            self.wait()
+            if self._async is not None:
+                self._async.wait(self.config.async_timeout_s)
         finally:
             self._buffers.forget()
             if self._async_ctx is not None and self._async_ctx is not self.ctx and not self.save_in_flight:

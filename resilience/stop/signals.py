@@ -133,7 +133,8 @@ class SignalRecorder:
     * The handler only appends to a list and returns (no I/O, no locks, no exit: it may run
       between any two bytecodes). Then, if the disposition it replaced was a Python callable,
       it calls that too, so a handler installed earlier (a launcher's, a logger's) still runs.
-      It never chains to ``SIG_DFL``/``SIG_IGN``: recording *replaces* "die" or "ignore".
+      It never chains to ``SIG_DFL``/``SIG_IGN`` or to Python's default SIGINT handler
+      (``KeyboardInterrupt``): recording *replaces* "die", "ignore" or "interrupt".
     * ``__exit__`` restores exactly the dispositions found on ``__enter__``, also when the body
       raises.
     * Install only from the main thread (``signal.signal`` works nowhere else): ``RuntimeError``.
@@ -253,7 +254,8 @@ class SignalRecorder:
             signal.signal(sig, prev)
 
     def _make_handler(self, prev: Any) -> Callable[[int, Any], None]:
-        chain = prev if callable(prev) else None  # SIG_DFL / SIG_IGN are not callable
+        # SIG_DFL / SIG_IGN are not callable; default_int_handler is SIGINT's "die" (KeyboardInterrupt)
+        chain = prev if callable(prev) and prev is not signal.default_int_handler else None
         received = self._received
         pid = os.getpid()
         monotonic, to_signal, getpid = time.monotonic, signal.Signals, os.getpid

@@ -17,7 +17,8 @@ test can send a signal while every rank is known to be in that phase, then relea
 ``step:N``          in step N's body, before the forward pass
 ``eval:N``          in the evaluation of step N (its training part done), after the first
                     ``loop.should_stop()`` check of the evaluation loop
-``save:K``          in the K-th save of this process, at its first "parts" phase (every rank)
+``save:K``          in the K-th save of this process, at its first "parts" phase (every rank;
+                    an asynchronous save: in its background write)
 ``save:preemption`` in the preemption save, at its first "parts" phase
 ==================  ========================================================================
 
@@ -26,7 +27,8 @@ MLP with dropout under DistributedDataParallel, AdamW and StepLR; ``preemption_s
 TERM]``, a save every 4 steps, evaluation every ``step_scheduler.val_every_steps`` steps (default
 5, 4 batches, no grad).
 Env ``RAISE_AT_STEP=N`` ``RAISE_RANK=R``: rank R raises ``RuntimeError`` in step N after backward,
-before the optimizer step. Any exception is printed and the rank exits 1.
+before the optimizer step. Any exception is printed and the rank exits 1; a ``KeyboardInterrupt``
+(SIGINT) exits 130, as a shell reports a death by SIGINT.
 """
 
 import gc
@@ -68,20 +70,30 @@ def pause(tag: str) -> None:
 
 
 saves = 0
-save_reason = None
+started = {}  # global step -> (number, reason) of the save started there
+save_number, save_reason = 0, None  # the save being written, which may run in the background
 paused_this_save = False
 original_save = checkpointer.Checkpointer.save
+original_write = checkpointer.Checkpointer._write
 original_load = checkpointer.Checkpointer.load
 
 
 def recording_save(self, reason="periodic"):
-    global saves, save_reason, paused_this_save
+    global saves
     saves += 1
-    save_reason, paused_this_save = reason, False
+    started[self.scheduler.global_step] = (saves, reason)
     event("save_begin", self.scheduler.global_step, reason)
     result = original_save(self, reason)
     event("save_end", self.scheduler.global_step)
     return result
+
+
+def recording_write(self, ctx, name, parts, meta, value):
+    # An asynchronous save is written after save() returned, maybe once the next one has begun:
+    # the pause follows the save being written, not the last one started.
+    global save_number, save_reason, paused_this_save
+    (save_number, save_reason), paused_this_save = started[meta["global_step"]], False
+    return original_write(self, ctx, name, parts, meta, value)
 
 
 def recording_load(self, directory, state):
@@ -94,12 +106,13 @@ def hook(phase: str) -> None:
     global paused_this_save
     if phase == "parts" and not paused_this_save:
         paused_this_save = True
-        pause(f"save:{saves}")
+        pause(f"save:{save_number}")
         if save_reason == "preemption":
             pause("save:preemption")
 
 
 checkpointer.Checkpointer.save = recording_save
+checkpointer.Checkpointer._write = recording_write
 checkpointer.Checkpointer.load = recording_load
 writer.fault_hook = hook
 
@@ -169,6 +182,9 @@ def train() -> int:
 
 try:
     code = train()
+except KeyboardInterrupt:
+    traceback.print_exc()
+    code = 130
 except BaseException:  # noqa: BLE001 - printed like an uncaught exception, exit 1
     traceback.print_exc()
     code = 1

@@ -153,6 +153,19 @@ def test_previous_python_handler_still_runs():
         signal.signal(S.SIGUSR1, old)
 
 
+def test_a_recorded_sigint_is_a_stop_request_not_a_keyboard_interrupt():
+    """``preemption_signal: INT``: Python's default SIGINT handler raises; recording replaces it as it replaces SIG_DFL."""
+    assert signal.getsignal(S.SIGINT) is signal.default_int_handler
+    try:
+        with SignalRecorder((S.SIGINT,)) as rec:
+            os.kill(os.getpid(), S.SIGINT)
+            time.sleep(0.01)  # a KeyboardInterrupt would be raised here
+    except KeyboardInterrupt:
+        pytest.fail("the recorded SIGINT raised KeyboardInterrupt: no stop, no save, exit 130")
+    assert [s for s, _ in rec.received] == [S.SIGINT]
+    assert signal.getsignal(S.SIGINT) is signal.default_int_handler
+
+
 def test_recorder_is_not_reentrant_but_reusable():
     rec = SignalRecorder((S.SIGUSR1,))
     before = signal.getsignal(S.SIGUSR1)
