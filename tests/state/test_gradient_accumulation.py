@@ -4,16 +4,25 @@ position) only between optimizer steps, so a preempted and resumed run is bitwis
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from resilience import ExitCode, resilient_loop
 from resilience.checkpoint.storage.manifest import validate
+from resilience.launch import launch
 from runs import compare, latest_name, run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torchdata's set_vital deprecation
+
+STOP_HELPER = Path(__file__).resolve().parents[1] / "helpers" / "accumulation_stop_train.py"
+_spec = importlib.util.spec_from_file_location("accumulation_stop_train", STOP_HELPER)
+stop_runs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(stop_runs)
 
 # 2 ranks x 16 samples: 44 micro-batches per epoch and rank; 3 per step: 14 steps of 3 and one of 2.
 ACCUMULATED = ["step_scheduler.num_epochs=2", "step_scheduler.gradient_accumulation_steps=3", "data.global_batch_size=32", "step_scheduler.ckpt_every_steps=20"]
@@ -63,3 +72,37 @@ def test_accumulating_two_rank_run_preempted_through_one_rank_resumes_bitwise_ex
     result = compare(resumed, reference)
     assert result.identical, result.detail
     assert result.steps == 30
+
+
+def _expected_stop(every: int | None, world: int) -> dict:
+    """Where a stop signalled in any micro-batch of step S lands: after S on one process (its
+    preemption save replaces the periodic one); on 2 ranks after S + 1 (the agreement reads at
+    S + 1 the all-reduce it started at S, k = 1), or after S when S saves (the blocking check
+    after that save agrees at once, "during a save")."""
+    s = stop_runs.SIGNAL_STEP
+    during_a_save = world > 1 and every == s
+    step = s if world == 1 or during_a_save else s + 1
+    reason = "periodic" if during_a_save else "preemption"
+    return {"stop_step": step, "exit_code": int(ExitCode.PREEMPTED), "latest": [step, reason], "batches_in_epoch": stop_runs.ACCUMULATION * step}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_launcher_environment")
+@pytest.mark.parametrize("every, position", stop_runs.CASES)
+def test_a_stop_signalled_in_any_micro_batch_of_step_s_stops_one_process_after_s(tmp_path, every, position):
+    row = stop_runs.stop_after_signal(tmp_path, position, every=every, signalled=True)
+    assert row == _expected_stop(every, 1), f"signal in micro-batch {position} of step {stop_runs.SIGNAL_STEP}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_on_two_ranks_the_stop_step_does_not_depend_on_the_micro_batch_the_signal_arrived_in(tmp_path):
+    """Every case of the helper in one launch: rank 1 signals itself in micro-batch 0, 1 or 2 of step S."""
+    with launch([sys.executable, str(STOP_HELPER), str(tmp_path)], 2, env={"OMP_NUM_THREADS": "1"}) as group:
+        assert group.wait(timeout=100) == 0
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in (tmp_path / f"rank_{rank}.jsonl").read_text().splitlines()]
+        assert [(r["every"], r["position"]) for r in rows] == stop_runs.CASES
+        for r in rows:
+            got = {k: r[k] for k in ("stop_step", "exit_code", "latest", "batches_in_epoch")}
+            assert got == _expected_stop(r["every"], 2), f"rank {rank}, ckpt_every_steps={r['every']}, signal in micro-batch {r['position']}"
