@@ -16,11 +16,23 @@ then sets the saved states and resets, so it draws what the original reset drew.
 inside persistent workers (their own RNG, carried across epochs) is not replayed. A
 ``StatefulDataLoader`` skips the consumed samples without loading them, so random draws in its
 workers need :class:`~resilience.state.worker_rng.WorkerRNG`.
+
+A loader's own state is used when its ``state_dict()`` works: :func:`check_loader_state` calls it
+once at ``resilient_loop()`` and a loader whose call raises (Accelerate's prepared ``DataLoader``:
+``AttributeError`` for its missing ``dl_state_dict``) is replayed instead, as is one whose call
+raises at a save. The loader's generators at the epoch's start (``epoch_generators``) are saved
+with its own state too and set before that is loaded: Accelerate's ``use_stateful_dataloader``
+state leaves its sampler's generator out. A lazy ``__iter__`` (a generator function, as Accelerate's prepared loaders)
+creates the loader's iterator, drawing from the global RNG, only at its first ``next()``; a resumed
+iterator that has drawn no batch yet is started before the saved RNG is restored (:func:`_started`).
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import json
+import logging
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -30,11 +42,15 @@ import torch
 
 from resilience.state import tagged_json
 
+log = logging.getLogger("resilience")
+
 # loader -> what its current epoch's iterator was created from: {"rng": torch RNG state,
 # "generators": {path: state} of the loader's own generators, "reset": persistent workers reset}
 _EPOCH_START: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 # the objects of a DataLoader whose generators a shuffle draws from (one generator may sit in several)
 _SAMPLER_PATHS = ("", "sampler", "batch_sampler", "batch_sampler.sampler")
+# loaders with state_dict()/load_state_dict() whose state_dict() raised: replayed instead
+_REPLAYED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def _encode(obj: Any) -> Any:
@@ -48,8 +64,40 @@ def _decode(obj: Any) -> Any:
 
 
 def is_stateful(loader: Any) -> bool:
-    """True when ``loader`` has ``state_dict`` and ``load_state_dict``."""
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    """True when ``loader`` has ``state_dict`` and ``load_state_dict`` and its ``state_dict()`` has
+    not raised (see :func:`check_loader_state`)."""
+    has_methods = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    return has_methods and _lookup(_REPLAYED, loader) is None
+
+
+def check_loader_state(loader: Any) -> str:
+    """How ``loader`` is resumed, decided and logged (on the ``resilience`` logger) once, at
+    ``resilient_loop()``: ``"state_dict"`` when it has ``state_dict()``/``load_state_dict()`` and
+    ``state_dict()`` returns, else ``"replay"`` (the epoch's iterator re-created from the saved RNG
+    states, the consumed batches skipped; see the module doc). A ``state_dict()`` that raises
+    (any exception) is a warning naming it, never an error. torchdata's ``StatefulDataLoader`` is
+    not called: before its first epoch, ``state_dict()`` would start the epoch's iterator and its
+    workers, before the loop shields them from stop signals."""
+    name = type(loader).__name__  # type(): Accelerate's loaders report their base class as __class__
+    if not is_stateful(loader):
+        log.info("dataloader: a %s is resumed by replaying its epoch (it has no state_dict()/load_state_dict())", name)
+        return "replay"
+    if not any(cls.__module__.startswith("torchdata.stateful_dataloader") for cls in type(loader).__mro__):
+        try:
+            loader.state_dict()
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's loader: replay it instead
+            _replay_instead(loader, f"its state_dict() raised {type(exc).__name__}: {exc}")
+            return "replay"
+    log.info("dataloader: a %s is resumed from its state_dict()", name)
+    return "state_dict"
+
+
+def _replay_instead(loader: Any, why: str) -> None:
+    log.warning("dataloader: a %s is resumed by replaying its epoch, not from its own state: %s", type(loader).__name__, why)
+    try:
+        _REPLAYED[loader] = why
+    except TypeError:  # not weak-referenceable: each save tries its state_dict() again and falls back again
+        pass
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
@@ -72,21 +120,43 @@ def data_position_json(loader: Any, batches_in_epoch: int) -> str:
     """The loader position as JSON text, captured now (a snapshot). Tensors in the loader's state
     (a shuffling sampler's generator) are encoded, never pickled.
 
+    A loader whose ``state_dict()`` raises here is replayed from then on (logged once), from
+    the RNG states its epoch's iterator was created from.
+
     Raises:
         TypeError: the loader's state holds something JSON cannot represent.
+        RuntimeError: ``state_dict()`` raised in an epoch that was resumed from the loader's own
+            state, whose start cannot be replayed.
     """
     try:
-        state: dict[str, Any] = {"batches_in_epoch": batches_in_epoch, "loader": _encode(loader.state_dict()) if is_stateful(loader) else None}
-        start = _epoch_start(loader) if not is_stateful(loader) else None
-        if start is not None:
+        own = _own_state(loader)
+        state: dict[str, Any] = {"batches_in_epoch": batches_in_epoch, "loader": None if own is None else _encode(own)}
+        start = _epoch_start(loader) or {}
+        if start.get("generators"):  # for a loader's own state too (see resume_iterator)
+            state["epoch_generators"] = {path: _encode(g) for path, g in start["generators"].items()}
+        if own is None and start.get("rng") is not None:
             state["epoch_rng"] = _encode(start["rng"])
-            if start["generators"]:
-                state["epoch_generators"] = {path: _encode(g) for path, g in start["generators"].items()}
             if start["reset"]:
                 state["epoch_reset_workers"] = True
         return json.dumps(state)
     except TypeError as exc:
         raise TypeError(f"dataloader.state_dict() must be JSON-serialisable to be checkpointed: {exc}") from exc
+
+
+def _own_state(loader: Any) -> Any:
+    """``loader.state_dict()``, or None for a loader that is replayed (see the module doc)."""
+    if not is_stateful(loader):
+        return None
+    try:
+        return loader.state_dict()
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's loader: replay it instead
+        if (_epoch_start(loader) or {}).get("rng") is None:
+            raise RuntimeError(
+                f"dataloader: a {type(loader).__name__}'s state_dict() raised {type(exc).__name__}: {exc}, in an epoch resumed "
+                "from its own state, which cannot be replayed instead; fix its state_dict() or let it raise from the start"
+            ) from exc
+        _replay_instead(loader, f"its state_dict() raised {type(exc).__name__} at a save: {exc}")
+        return None
 
 
 def save_data_position(path: Path, loader: Any, batches_in_epoch: int) -> None:
@@ -102,18 +172,38 @@ def read_data_position(path: Path) -> dict[str, Any]:
 def resume_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterator:
     """An iterator over the rest of the current epoch.
 
-    ``position`` is ``None`` for a fresh epoch. For a stateful loader its state is loaded before
-    ``iter()``; otherwise the first ``batches_in_epoch`` batches are drawn and dropped.
+    ``position`` is ``None`` for a fresh epoch. For a stateful loader its epoch's generators are
+    set and its state is loaded before ``iter()``; otherwise the first ``batches_in_epoch`` batches
+    are drawn and dropped. A lazy iterator is started (see :func:`_started`).
     """
     if position is None:
         return _iter(loader)
     if is_stateful(loader) and position.get("loader") is not None:
+        # The epoch's generators first: a loader's own state may leave them out (Accelerate's
+        # use_stateful_dataloader: torchdata cannot save its BatchSamplerShard's iterator, so it
+        # draws the epoch's order again from the sampler's generator and skips the consumed batches).
+        generators = _set_generators(loader, position)
+        _remember(loader, {"rng": None, "generators": generators, "reset": False})  # the epoch's start RNG is unknown here
         loader.load_state_dict(_decode(position["loader"]))
-        return iter(loader)
+        return _started(iter(loader))
     iterator = _replay_iter(loader, position)
     for _ in range(int(position["batches_in_epoch"])):
         next(iterator)
-    return iterator
+    return _started(iterator)
+
+
+def _started(iterator: Iterator) -> Iterator:
+    """``iterator``, started when it is a generator that has not run yet: a lazy ``__iter__``
+    (Accelerate's prepared loaders) creates its loader's iterator, drawing from the global RNG,
+    only at the first ``next()``, which the saving run had called before its save. Its first batch
+    is taken now, before the caller restores the saved RNG, and given back first."""
+    if not inspect.isgenerator(iterator) or inspect.getgeneratorstate(iterator) != inspect.GEN_CREATED:
+        return iterator
+    try:
+        first = next(iterator)
+    except StopIteration:
+        return iter(())
+    return itertools.chain([first], iterator)
 
 
 def epoch_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterator:
@@ -136,26 +226,37 @@ def _replay_iter(loader: Iterable, position: dict[str, Any]) -> Iterator:
         iter(loader)  # start the persistent workers, as an earlier epoch had; the iter() below resets them
     if position.get("epoch_rng") is not None:
         torch.set_rng_state(_decode(position["epoch_rng"]))
-    generators = _generators(loader)
-    for path, state in (position.get("epoch_generators") or {}).items():
-        if path in generators:
-            generators[path].set_state(_decode(state))
+    _set_generators(loader, position)
     return _iter(loader)
 
 
+def _set_generators(loader: Any, position: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Set the loader's generators to their saved states at the epoch's start; returns those set."""
+    generators, states = _generators(loader), {}
+    for path, state in (position.get("epoch_generators") or {}).items():
+        if path in generators:
+            states[path] = _decode(state)
+            generators[path].set_state(states[path])
+    return states
+
+
 def _iter(loader: Iterable) -> Iterator:
-    """``iter(loader)``, remembering what it started from (see the module doc)."""
-    if not is_stateful(loader):
-        start = {
-            "rng": torch.get_rng_state(),
-            "generators": {path: g.get_state() for path, g in _generators(loader).items()},
-            "reset": bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "_iterator", None) is not None,
-        }
-        try:
-            _EPOCH_START[loader] = start
-        except TypeError:  # not weak-referenceable (a list of batches): nothing to shuffle
-            pass
+    """``iter(loader)``, remembering what it started from (see the module doc; for a loader with
+    its own state too, replayed should its ``state_dict()`` raise at a save)."""
+    start = {
+        "rng": torch.get_rng_state(),
+        "generators": {path: g.get_state() for path, g in _generators(loader).items()},
+        "reset": bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "_iterator", None) is not None,
+    }
+    _remember(loader, start)
     return iter(loader)
+
+
+def _remember(loader: Any, start: dict[str, Any]) -> None:
+    try:
+        _EPOCH_START[loader] = start
+    except TypeError:  # not weak-referenceable (a list of batches): nothing to shuffle
+        pass
 
 
 def _generators(loader: Any) -> dict[str, torch.Generator]:
@@ -174,9 +275,13 @@ def _generators(loader: Any) -> dict[str, torch.Generator]:
 
 
 def _epoch_start(loader: Any) -> dict[str, Any] | None:
+    return _lookup(_EPOCH_START, loader)
+
+
+def _lookup(table: weakref.WeakKeyDictionary, loader: Any) -> Any:
     try:
-        return _EPOCH_START.get(loader)
-    except TypeError:
+        return table.get(loader)
+    except TypeError:  # not weak-referenceable
         return None
 
 

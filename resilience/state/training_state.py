@@ -12,7 +12,7 @@ import torch
 
 from resilience.checkpoint.layout import SAFETENSORS_SUFFIX
 from resilience.state import tagged_json
-from resilience.state.data_position import loader_length
+from resilience.state.data_position import check_loader_state, loader_length
 from resilience.state.worker_rng import randomness_not_restored
 
 # An extra state's name becomes a file name (extra/<name>.json): no separators, no leading dot.
@@ -54,6 +54,8 @@ class TrainingState:
             raise ValueError("dataloader: it has no batches (len() is 0): an empty dataset, or batch_size larger than it with drop_last=True")
         if (why := randomness_not_restored(self.dataloader)) is not None:
             warnings.warn(why, UserWarning, stacklevel=3)
+        if self.dataloader is not None:
+            check_loader_state(self.dataloader)  # its own state_dict() if that works, else a replay (logged)
         if _check_stateful("optimizer", self.optimizer):
             _check_step_without_closure(self.optimizer)
         if _check_stateful("lr_scheduler", self.lr_scheduler):

@@ -21,7 +21,6 @@ MLP under DistributedDataParallel, AdamW; ``preemption_signal: [USR1, TERM]``, a
 import gc
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ranks  # this folder's shared rank start
-from resilience import load_config, resilient_loop
+from resilience import resilient_loop
 
 KEEP = []
 
@@ -48,17 +47,7 @@ def main() -> int:
     ckpt_dir, events, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
     world, rank = ranks.join()
     os.makedirs(events, exist_ok=True)
-    cfg = load_config(
-        None,
-        [
-            f"checkpoint.checkpoint_dir={ckpt_dir}",
-            "step_scheduler.num_epochs=2",
-            "step_scheduler.ckpt_every_steps=100",
-            "step_scheduler.preemption_signal=[USR1, TERM]",
-            "step_scheduler.agreement_every_steps=1",
-            *overrides,
-        ],
-    )
+    cfg = ranks.preemptible_config(ckpt_dir, overrides)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -86,12 +75,7 @@ def main() -> int:
     with loop:
         for step in loop:
             if step.global_step == pause_at:
-                Path(events, f"paused_{rank}").touch()
-                deadline = time.monotonic() + 60
-                while not Path(events, "release").exists():
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"rank {rank}: never released")
-                    time.sleep(0.01)
+                ranks.pause_for_release(events, rank)
             x, y = step.batch
             loss = torch.nn.functional.mse_loss(net(x), y)
             optimizer.zero_grad()

@@ -1,0 +1,78 @@
+"""Hugging Face Accelerate's prepared objects under ``resilient_loop()``.
+
+``accelerator.prepare(model, optimizer, loader)`` on 2 gloo ranks (``Accelerator(cpu=True)``,
+``tests/helpers/accelerate_train.py``): USR1 to rank 1 in step 9 (the second epoch's third), every
+rank saves the agreed step and exits 75, and the resumed run ends bitwise equal to an uninterrupted
+one (losses with dropout, so the global torch RNG too; final weights). The second epoch: the
+sampler's generator has moved on by then, which torchdata's state leaves out under Accelerate. A plain prepared ``DataLoader`` has a
+``state_dict()`` that raises (no ``dl_state_dict``): it takes the replay path, and says so; one with
+``use_stateful_dataloader=True`` saves its own state.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resilience import ExitCode
+from resilience.checkpoint.storage.manifest import validate
+from runs import compare, latest_name
+from worker_runs import finish
+
+pytestmark = pytest.mark.multiproc
+HELPER = Path(__file__).resolve().parents[1] / "helpers" / "accelerate_train.py"
+PAUSE_STEP, TOTAL_STEPS = 9, 12
+
+
+def _start(ckpt: Path, events: Path, stateful: bool, pause: int = 0) -> tuple[subprocess.Popen, Path]:
+    """``resilience run -n 2`` of the helper; returns the process and its pid file."""
+    events.mkdir(parents=True)
+    pid_file = events / "pids"
+    env = {**os.environ, "STATEFUL": "1" if stateful else "0", "PAUSE_AT_STEP": str(pause), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "resilience", "run", "-n", "2", "--pid-file", str(pid_file), str(HELPER), str(ckpt), str(events)]
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), pid_file
+
+
+def _preempt_at_pause(ckpt: Path, events: Path, stateful: bool) -> tuple[int, str]:
+    """A run paused in step ``PAUSE_STEP`` on every rank while USR1 goes to rank 1 alone."""
+    proc, pid_file = _start(ckpt, events, stateful, pause=PAUSE_STEP)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((events / f"paused_{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[1]
+            time.sleep(0.02)
+        ranks = dict(line.split()[1:] for line in pid_file.read_text().splitlines() if line.startswith("rank "))
+        os.kill(int(ranks["1"]), signal.SIGUSR1)
+        time.sleep(0.3)  # the signal is in before the ranks go on
+        (events / "release").touch()
+        return finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stateful", [False, True], ids=["prepared-DataLoader", "use_stateful_dataloader"])
+def test_accelerate_prepared_objects_are_preempted_and_resume_bitwise_exactly(tmp_path, stateful):
+    code, out = finish(_start(tmp_path / "ref", tmp_path / "ref_events", stateful)[0])
+    assert code == ExitCode.DONE, out
+    mode = "from its state_dict()" if stateful else "by replaying its epoch, not from its own state: its state_dict() raised AttributeError"
+    assert out.count(f"dataloader: a DataLoaderShard is resumed {mode}") == 2, out
+
+    ckpt = tmp_path / "ck"
+    code, out = _preempt_at_pause(ckpt, tmp_path / "events", stateful)
+    assert code == ExitCode.PREEMPTED and out.count(f"exit {int(ExitCode.PREEMPTED)}") == 2, out
+    meta = validate(ckpt / latest_name(ckpt))["meta"]
+    assert meta["reason"] == "preemption" and PAUSE_STEP <= meta["global_step"] < TOTAL_STEPS, meta
+
+    code, out = finish(_start(ckpt, tmp_path / "events2", stateful)[0])
+    assert code == ExitCode.DONE and "resumed from epoch_1_step_" in out, out
+    result = compare(ckpt, tmp_path / "ref")
+    assert result.identical and result.steps == TOTAL_STEPS, result.detail
