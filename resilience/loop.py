@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from resilience.checkpoint import Checkpointer, SaveReason, TrainingState
+from resilience.checkpoint.formats.optim_io import ParamGroupsChanged
 from resilience.checkpoint.layout import TRAINING_LOG, VALIDATION_LOG
 from resilience.checkpoint.policy import progress_guard
 from resilience.checkpoint.policy.lowest_val import append_jsonl
@@ -174,7 +175,7 @@ class ResilientLoop:
                     self.progress.phase("loading")
                     try:
                         restored = self._resume()
-                    except BatchSizeChangeRefused as exc:  # before any step: exit 2, nothing requeued
+                    except (BatchSizeChangeRefused, ParamGroupsChanged) as exc:  # before any step: exit 2, nothing requeued
                         log.error("rank %d: %s", self.ctx.rank, exc)
                         self.exit_code = ExitCode.CONFIG_ERROR
                         return

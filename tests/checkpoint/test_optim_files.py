@@ -4,6 +4,8 @@ split over the ranks, digested as it is read, and checkpoints written with DCP s
 from __future__ import annotations
 
 import json
+import logging
+from typing import Any
 
 import pytest
 import torch
@@ -128,17 +130,24 @@ class HistorySGD(torch.optim.Optimizer):
 
 def _optim_run(root, max_steps: int, make_optimizer) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A Linear(3, 1) trained ``max_steps`` steps with ``make_optimizer(params)``, saving every 2."""
+    return _optim_loop(root, max_steps, make_optimizer)[:2]
+
+
+def _optim_loop(root, max_steps: int, make_optimizer, **checkpoint) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, list[int]]:
+    """:func:`_optim_run` with more ``checkpoint.*`` keys: (model, optimizer, the loop, the steps that ran)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = make_optimizer(model.parameters())
     batches = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    cfg = {"step_scheduler": {"max_steps": max_steps, "ckpt_every_steps": 2}, "checkpoint": {"checkpoint_dir": str(root)}}
+    cfg = {"step_scheduler": {"max_steps": max_steps, "ckpt_every_steps": 2}, "checkpoint": {"checkpoint_dir": str(root), **checkpoint}}
+    ran = []
     with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=batches) as loop:
         for step in loop:
             optimizer.zero_grad()
             model(step.batch).pow(2).mean().backward()
             optimizer.step()
-    return model, optimizer
+            ran.append(step.global_step)
+    return model, optimizer, loop, ran
 
 
 def _history_run(root, max_steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -183,3 +192,44 @@ def test_an_optimizer_with_a_tensor_lr_saves_and_resumes_exactly(tmp_path):
     assert isinstance(group["lr"], torch.Tensor) and torch.equal(group["lr"], straight.param_groups[0]["lr"])
     assert group["betas"] == (0.8, 0.9) and type(group["betas"]) is tuple
     assert_same_optimizer(resumed, straight)
+
+
+def _one_group(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _decay_split(params):
+    weight, bias = params
+    return torch.optim.AdamW([{"params": [weight], "weight_decay": 0.1}, {"params": [bias], "weight_decay": 0.0}], lr=0.01)
+
+
+def test_param_groups_changed_since_the_save_are_refused_before_any_step_and_no_load_optim_lets_the_weights_through(tmp_path, caplog):
+    """Saved with 1 group, resumed with a decay / no-decay split: torch mapped the saved groups onto
+    the new ones (group 0 lost lr and betas, group 1 took the saved weight_decay 0.1 over 0.0) and the
+    first step failed with KeyError: 'betas'. Refused at the resume (exit 2), naming both sides."""
+    root = tmp_path / "ck"
+    _optim_loop(root, 4, _one_group)
+    with caplog.at_level(logging.ERROR, logger="resilience"):
+        _, optimizer, loop, ran = _optim_loop(root, 6, _decay_split)
+    assert loop.exit_code == ExitCode.CONFIG_ERROR and ran == []
+    message = caplog.text
+    assert (
+        "optimizer: epoch_0_step_4 was saved with 1 param group(s) of sizes [2], this optimizer has 2 of sizes [1, 1]; "
+        "group 0 ['weight']: from saved group 0; group 1 ['bias']: from saved group 0 (weight_decay 0.1 -> 0.0) (saved -> current)"
+    ) in message, message
+    assert "checkpoint.no_load_optim=true" in message and "checkpoint.restore_from" in message, message
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0], "the user's groups are left as they were"
+
+    _, optimizer, loop, ran = _optim_loop(root, 6, _decay_split, restore_from=str(root / "epoch_0_step_4"), no_load_optim=True)
+    assert loop.exit_code == ExitCode.DONE and ran == [1, 2, 3, 4, 5, 6], "the weights only: training starts at step 0"
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    assert all(group["betas"] == (0.9, 0.999) for group in optimizer.param_groups)
+
+
+def test_a_hyperparameter_changed_in_the_same_groups_is_restored_from_the_checkpoint_with_a_warning(tmp_path, caplog):
+    _optim_loop(tmp_path / "ck", 4, _one_group)
+    with caplog.at_level(logging.WARNING, logger="resilience"):
+        _, optimizer, loop, ran = _optim_loop(tmp_path / "ck", 6, lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.0))
+    assert loop.exit_code == ExitCode.DONE and ran == [5, 6]
+    assert "epoch_0_step_4's saved hyperparameters replace this optimizer's: group 0: weight_decay 0.0 -> 0.1" in caplog.text, caplog.text
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,21 @@ from resilience.checkpoint.storage import dcp_io
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.dcp_io import UnsafeCheckpointError  # noqa: F401  (re-exported)
 from resilience.checkpoint.storage.durable import FileRecord
+from resilience.config.checks import ConfigError
 from resilience.state import tagged_json
+
+log = logging.getLogger("resilience.checkpoint")
 
 # A tensor inside another value of the state (LBFGS's ``old_dirs``, a list of tensors) is stored
 # as an entry of its own named NESTED + "<name>.<i>", with ``part_of`` naming the value.
 NESTED = "__nested__."
+
+
+class ParamGroupsChanged(ConfigError):
+    """The optimizer's param groups are not those it was saved with (another count, or other
+    parameters in a group): loading would map the saved groups onto other ones and put their
+    hyperparameters on them (the first step then fails, e.g. ``KeyError: 'betas'``). Raised at the
+    resume, before any step; the loop exits 2 (``CONFIG_ERROR``)."""
 
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -127,12 +138,29 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
     its own shard, whatever the saving mesh was). Our own files are read whole by every rank,
     those of ``check``'s share digested as they pass.
 
+    The saved param groups must be this optimizer's: the same count and the same parameters in
+    each. Their saved hyperparameters then replace the current ones (the LR schedule's ``lr``);
+    any other that changes is a warning. Checked before anything is read, by each rank from the
+    same skeleton and its own optimizer (the same verdict on every rank, whose optimizers are built alike).
+
     Raises:
+        ParamGroupsChanged: the groups differ (see :func:`param_groups_change`).
         ValueError: a state tensor missing from the files.
         UnsafeCheckpointError: DCP's ``.metadata`` asks to unpickle anything but DCP's classes.
     """
     skeleton = json.loads((directory / SKELETON).read_text())
-    current = get_optimizer_state_dict(model, optimizer)["state"]
+    live = get_optimizer_state_dict(model, optimizer)
+    skeleton["param_groups"] = tagged_json.decode(skeleton["param_groups"], tagged_json.tensor_from_json)
+    if (change := param_groups_change(skeleton["param_groups"], live["param_groups"])) is not None:
+        raise ParamGroupsChanged(
+            f"optimizer: {directory.name} was saved with {change}. Loading would put the saved groups' hyperparameters "
+            "on other groups. Resume with the param groups it was saved with, or load only its weights: "
+            f"checkpoint.restore_from={str(directory)!r} with checkpoint.no_load_optim=true (a fresh optimizer; "
+            "step counters, data order and RNG start fresh)"
+        )
+    if replaced := replaced_hyperparameters(skeleton["param_groups"], live["param_groups"]):
+        log.warning("optimizer: %s's saved hyperparameters replace this optimizer's: %s", directory.name, "; ".join(replaced))
+    current = live["state"]
     params: dict[str, Any] = {}  # the model's, fetched only for a target that does not fit (~20 ms on 200 tensors)
     tensors = {}
     state: dict[str, Any] = {}
@@ -158,7 +186,6 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
                 state[fqn][name] = tensors[spec["tensor"]]
             elif "tagged" in spec:
                 state[fqn][name] = tagged_json.decode(spec["tagged"], lambda part, entries=entries: tensors[entries[part]["tensor"]])
-    skeleton["param_groups"] = tagged_json.decode(skeleton["param_groups"], tagged_json.tensor_from_json)
     # Skeletons written before param groups were tagged hold lists where the optimizer uses tuples
     # (AdamW's ``betas``): give back the tuple form, so the restored groups equal the saved ones.
     for saved, current in zip(skeleton["param_groups"], optimizer.param_groups):
@@ -166,6 +193,64 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
             if isinstance(value, list) and isinstance(current.get(key), tuple):
                 saved[key] = tuple(value)
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": skeleton["param_groups"]})
+
+
+def param_groups_change(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> str | None:
+    """How the ``saved`` param groups differ from the ``current`` ones (both as
+    ``get_optimizer_state_dict`` gives them: ``params`` as parameter names), or ``None`` when they
+    have the same count and the same parameters in each group. Names each current group that
+    differs, the saved group(s) its parameters were in and the hyperparameters whose values
+    differ from those (saved -> current), and any saved parameter no group holds now."""
+    if len(saved) == len(current) and all(list(a["params"]) == list(b["params"]) for a, b in zip(saved, current)):
+        return None
+    sizes = [[len(g["params"]) for g in groups] for groups in (saved, current)]
+    parts = [f"{len(saved)} param group(s) of sizes {sizes[0]}, this optimizer has {len(current)} of sizes {sizes[1]}"]
+    owner = {name: j for j, group in enumerate(saved) for name in group["params"]}
+    for i, group in enumerate(current):
+        if i < len(saved) and list(saved[i]["params"]) == list(group["params"]):
+            continue
+        sources = sorted({owner[n] for n in group["params"] if n in owner})
+        origins = [f"from saved group {j}" + (f" ({', '.join(c)})" if (c := _value_changes(saved[j], group)) else "") for j in sources]
+        new = [n for n in group["params"] if n not in owner]
+        parts.append(f"group {i} {_names(group['params'])}: " + ", ".join(origins + ([f"{_names(new)} not in the checkpoint"] if new else [])))
+    held = {name for group in current for name in group["params"]}
+    for j, group in enumerate(saved):
+        if gone := [n for n in group["params"] if n not in held]:
+            parts.append(f"saved group {j}: {_names(gone)} in no group now")
+    return "; ".join(parts) + " (saved -> current)"
+
+
+def replaced_hyperparameters(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[str]:
+    """For groups that match (see :func:`param_groups_change`): each hyperparameter whose saved
+    value replaces another current one, as ``"group I: KEY CURRENT -> SAVED"``; ``lr`` and
+    ``initial_lr`` are left out (an LR schedule moves them)."""
+    return [f"group {i}: {change}" for i, (old, new) in enumerate(zip(saved, current)) for change in _value_changes(new, old, skip=("lr", "initial_lr"))]
+
+
+def _value_changes(old: dict[str, Any], new: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
+    """``"KEY OLD -> NEW"`` for each hyperparameter of either group whose values differ."""
+    a, b = _hyper(old), _hyper(new)
+    keys = sorted((a.keys() | b.keys()) - set(skip))
+    return [f"{key} {a.get(key, '(none)')!r} -> {b.get(key, '(none)')!r}" for key in keys if key not in a or key not in b or not _equal(a[key], b[key])]
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key not in ("params", "param_names")}
+
+
+def _names(params: list[Any], limit: int = 4) -> str:
+    names = [str(n) for n in params]
+    return repr(names) if len(names) <= limit else f"[{', '.join(map(repr, names[:limit]))}, ... {len(names)} in all]"
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Equal hyperparameter values (a tensor ``lr`` compared by value; a list equals a tuple,
+    as skeletons written before tagged JSON hold AdamW's ``betas``)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def _target(param: Any, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
