@@ -58,21 +58,28 @@ def _preempt_at_pause(ckpt: Path, events: Path, stateful: bool) -> tuple[int, st
             proc.wait()
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One uninterrupted run with the plain prepared loader: both modes draw the same order (the
+    sampler's synchronized generator), so each must train exactly like it."""
+    root = tmp_path_factory.mktemp("reference")
+    code, out = finish(_start(root / "ck", root / "events", stateful=False)[0])
+    assert code == ExitCode.DONE, out
+    return root / "ck"
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stateful", [False, True], ids=["prepared-DataLoader", "use_stateful_dataloader"])
-def test_accelerate_prepared_objects_are_preempted_and_resume_bitwise_exactly(tmp_path, stateful):
-    code, out = finish(_start(tmp_path / "ref", tmp_path / "ref_events", stateful)[0])
-    assert code == ExitCode.DONE, out
-    mode = "from its state_dict()" if stateful else "by replaying its epoch, not from its own state: its state_dict() raised AttributeError"
-    assert out.count(f"dataloader: a DataLoaderShard is resumed {mode}") == 2, out
-
+def test_accelerate_prepared_objects_are_preempted_and_resume_bitwise_exactly(tmp_path, reference, stateful):
     ckpt = tmp_path / "ck"
     code, out = _preempt_at_pause(ckpt, tmp_path / "events", stateful)
     assert code == ExitCode.PREEMPTED and out.count(f"exit {int(ExitCode.PREEMPTED)}") == 2, out
+    mode = "from its state_dict()" if stateful else "by replaying its epoch, not from its own state: its state_dict() raised AttributeError"
+    assert out.count(f"dataloader: a DataLoaderShard is resumed {mode}") == 2, out
     meta = validate(ckpt / latest_name(ckpt))["meta"]
     assert meta["reason"] == "preemption" and PAUSE_STEP <= meta["global_step"] < TOTAL_STEPS, meta
 
     code, out = finish(_start(ckpt, tmp_path / "events2", stateful)[0])
     assert code == ExitCode.DONE and "resumed from epoch_1_step_" in out, out
-    result = compare(ckpt, tmp_path / "ref")
+    result = compare(ckpt, reference)
     assert result.identical and result.steps == TOTAL_STEPS, result.detail
