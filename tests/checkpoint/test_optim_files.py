@@ -233,3 +233,14 @@ def test_a_hyperparameter_changed_in_the_same_groups_is_restored_from_the_checkp
     assert loop.exit_code == ExitCode.DONE and ran == [5, 6]
     assert "epoch_0_step_4's saved hyperparameters replace this optimizer's: group 0: weight_decay 0.0 -> 0.1" in caplog.text, caplog.text
     assert optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_momentum_a_cycling_schedule_moves_is_not_reported_as_replaced_but_other_changes_are():
+    """OneCycleLR/CyclicLR move betas/momentum every step (their groups hold max_momentum): a warning at every resume would be noise."""
+    from resilience.checkpoint.formats.optim_io import replaced_hyperparameters
+
+    saved = [{"params": ["w"], "lr": 0.1, "betas": (0.86, 0.99), "max_momentum": 0.95, "weight_decay": 0.1}]
+    current = [{"params": ["w"], "lr": 0.004, "betas": (0.95, 0.99), "max_momentum": 0.95, "weight_decay": 0.0}]
+    assert replaced_hyperparameters(saved, current) == ["group 0: weight_decay 0.0 -> 0.1"]
+    plain = [{k: v for k, v in group.items() if k != "max_momentum"} for group in current]
+    assert any("betas" in change for change in replaced_hyperparameters([{k: v for k, v in saved[0].items() if k != "max_momentum"}], plain))

@@ -223,8 +223,14 @@ def param_groups_change(saved: list[dict[str, Any]], current: list[dict[str, Any
 def replaced_hyperparameters(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[str]:
     """For groups that match (see :func:`param_groups_change`): each hyperparameter whose saved
     value replaces another current one, as ``"group I: KEY CURRENT -> SAVED"``; ``lr`` and
-    ``initial_lr`` are left out (an LR schedule moves them)."""
-    return [f"group {i}: {change}" for i, (old, new) in enumerate(zip(saved, current)) for change in _value_changes(new, old, skip=("lr", "initial_lr"))]
+    ``initial_lr`` are left out (an LR schedule moves them), and so are ``momentum``/``betas`` in a
+    group a momentum-cycling schedule manages (``OneCycleLR``/``CyclicLR`` add ``max_momentum``)."""
+    return [f"group {i}: {change}" for i, (old, new) in enumerate(zip(saved, current)) for change in _value_changes(new, old, skip=_scheduled(old))]
+
+
+def _scheduled(group: dict[str, Any]) -> tuple[str, ...]:
+    cycled = ("momentum", "betas") if "max_momentum" in group else ()
+    return ("lr", "initial_lr", *cycled)
 
 
 def _value_changes(old: dict[str, Any], new: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
