@@ -305,8 +305,8 @@ class ResilientLoop:
         log.warning("rank %d: stop %s at step %d (agreement every %d step(s)); %s, exiting for requeue", self.ctx.rank, when, step, self._cadence(), saved)
 
     def heartbeat(self) -> None:
-        """Tell ``resilience run``'s watchdog this rank still works inside a long step's body (an evaluation);
-        no collective, at most one small write every 0.5 s (:meth:`should_stop` does it too)."""
+        """Tell ``resilience run``'s watchdog this rank still works inside a long step's body (an evaluation), so
+        ranks waiting for it in a collective are not hung; no collective, one small write per 0.5 s at most (so does :meth:`should_stop`)."""
         self.progress.heartbeat()
 
     def should_stop(self) -> bool:

@@ -2,8 +2,9 @@
 
 The launcher gives each rank a file (``RESILIENCE_PROGRESS_FILE``, in its handshake directory);
 the loop writes one fixed-size JSON record into it, in place, with one ``pwrite`` (no collective,
-no fsync, no new file): at each phase change (starting, loading, step, saving, done) at once,
-and at step boundaries at most every :data:`MIN_INTERVAL_S` seconds, so a 10 ms step costs one
+no fsync, no new file): at each phase change (starting, loading, step, saving, done) and at the
+end of the first step after a start (the watchdog's start-up limit ends there) at once, and at
+other step boundaries at most every :data:`MIN_INTERVAL_S` seconds, so a 10 ms step costs one
 ``time.monotonic()`` call (vDSO, no syscall) on most boundaries. The record::
 
     {"phase": "step", "step": 120, "t": 81234.5, "max_step_s": 0.031, "max_save_s": 0.4, "pid": 4242}
@@ -63,6 +64,7 @@ class ProgressReporter:
         self._phase = "starting"
         self._step = 0
         self._last_write = float("-inf")
+        self._written_step_s = 0.0  # max_step_s in the record written last
         self._last_boundary: float | None = None
         self.max_step_s = 0.0
         self.max_save_s = 0.0
@@ -104,7 +106,8 @@ class ProgressReporter:
 
     def step(self, global_step: int) -> None:
         """Step ``global_step`` just finished: measure it, and report when the last report is
-        :data:`MIN_INTERVAL_S` old (or the phase was another)."""
+        :data:`MIN_INTERVAL_S` old, the phase was another, or it is the first step measured (the
+        record written still says none has finished: the watchdog would allow the start-up limit)."""
         if self._fd is None:
             return
         now = self._clock()
@@ -112,7 +115,8 @@ class ProgressReporter:
             self.max_step_s = now - self._last_boundary
         self._last_boundary = now
         self._step = global_step
-        if self._phase != "step" or now - self._last_write >= self._min_interval_s:
+        first_measured = self._written_step_s == 0.0 < self.max_step_s
+        if self._phase != "step" or first_measured or now - self._last_write >= self._min_interval_s:
             self._phase = "step"
             self._write(now)
 
@@ -150,6 +154,7 @@ class ProgressReporter:
             os.close(fd)  # type: ignore[arg-type]
             return
         self._last_write = now
+        self._written_step_s = self.max_step_s
 
 
 def progress_file(ready_dir: str | os.PathLike[str], rank: int) -> str:

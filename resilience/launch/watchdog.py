@@ -10,15 +10,27 @@ phase                       ``--progress-timeout S``                    ``--prog
 ==========================  ==========================================  ==================================
 no report yet, starting,    ``max(S, startup)``                         ``startup``
 loading, the first step
+(until a rank finished one)
 a step                      ``S``                                       ``max(60, 5 x longest step)``
 a save                      ``max(S, 120, 5 x longest save)``           ``max(60, 120, 5 x longest save)``
 done (the loop ended)       not watched                                 not watched
 ==========================  ==========================================  ==================================
 
-``startup`` is ``--startup-timeout`` (default 600 s). A rank with no record yet is watched only
-once another local rank has written one: a program that does not use the loop never reports,
-and is then watched only for its exit. A stopped process (SIGSTOP) or one stuck in a collective
-whose peer is gone reports nothing either, so both end as a stall.
+``startup`` is ``--startup-timeout`` (default 600 s); ``longest step``: the longest any local rank
+reported in this start. The first step (warm-up: compilation, communicator set-up) has the start-up
+limit only until a local rank has finished a step (a rank reports the end of its first step at
+once); from then on every rank's step has the step limit, the first after a resume or an in-job
+restart included. A rank with no record yet is watched only once another local rank has written
+one: a program that does not use the loop never reports, and is then watched only for its exit.
+
+The watchdog judges the job (its local ranks), not each rank alone: a rank silent beyond its limit
+has stalled only when every other watched rank is beyond its own limit too, or when it is stopped
+(SIGSTOP, a debugger: it waits for nobody). A rank blocked in a collective looks like a hung one,
+but while a peer still reports (a rank-0-only evaluation calling ``loop.heartbeat()``) or is in a
+phase whose limit still runs (a long load or save), it is waiting for that peer. A real hang stops
+every rank's reports (a rank-conditional collective leaves them all in one; a rank stuck computing
+leaves the others in the next), so it is caught one limit after the job's last report, within
+:data:`CHECK_INTERVAL_S`. One stuck in a collective whose peer is gone reports nothing either.
 """
 
 from __future__ import annotations
@@ -64,14 +76,16 @@ class ProgressTimeout:
             raise ValueError(f"--progress-timeout: expected 'auto' or a number of seconds > 0, got {text!r}")
         return cls(seconds, float(startup_s))
 
-    def limit(self, report: Report | None) -> float | None:
+    def limit(self, report: Report | None, longest_step_s: float = 0.0) -> float | None:
         """Seconds of silence allowed after ``report`` (``None``: the rank has not reported yet);
-        ``None`` when the rank is not watched (its loop ended)."""
-        if report is None or report.phase in ("starting", "loading") or (report.phase == "step" and report.max_step_s == 0):
+        ``None`` when the rank is not watched (its loop ended). ``longest_step_s``: the longest step
+        any local rank reported in this start (seconds; 0 while none has finished one)."""
+        step_s = max(report.max_step_s, longest_step_s) if report is not None else 0.0
+        if report is None or report.phase in ("starting", "loading") or (report.phase == "step" and step_s == 0):
             return max(self.startup_s, self.seconds or 0.0)
         if report.phase == "done":
             return None
-        step_limit = self.seconds if self.seconds is not None else max(AUTO_STEP_FLOOR_S, AUTO_FACTOR * report.max_step_s)
+        step_limit = self.seconds if self.seconds is not None else max(AUTO_STEP_FLOOR_S, AUTO_FACTOR * step_s)
         if report.phase == "saving":
             return max(step_limit, SAVE_FLOOR_S, AUTO_FACTOR * report.max_save_s)
         return step_limit
@@ -137,25 +151,30 @@ class Watchdog:
         """The latest record read per local rank."""
 
     def check(self) -> Stall | None:
-        """A live local rank silent beyond its limit, or ``None``; reads the records at most every
-        :data:`CHECK_INTERVAL_S` seconds (``None`` in between). Of several, a stopped one, else the
-        one silent longest (its peers may only be waiting for it in a collective)."""
+        """A stalled live local rank, or ``None``; reads the records at most every
+        :data:`CHECK_INTERVAL_S` seconds (``None`` in between). A rank silent beyond its limit has
+        stalled when every watched rank is (see the module docstring) or when it is stopped. Of
+        several, a stopped one, else the one silent longest (its peers may be waiting for it)."""
         now = self._clock()
         if now < self._next_check:
             return None
         self._next_check = now + CHECK_INTERVAL_S
         if not self.read():
             return None  # nobody reports: a program without the loop, watched for its exit only
-        stalls = []
+        longest = max(report.max_step_s for report in self.reports.values())
+        stalls, watched = [], 0
         for local, code in enumerate(self.group.returncodes):
             report = self.reports.get(local)
-            limit = self.timeout.limit(report) if code is None else None
+            limit = self.timeout.limit(report, longest) if code is None else None
             if limit is None:
                 continue
+            watched += 1
             silent = now - (report.t if report is not None else self._started)
             if silent > limit:
                 pid = self.group.procs[local].pid
                 stalls.append(Stall(local, self.group.ranks[local], pid, report, silent, limit, is_stopped(pid)))
+        if len(stalls) < watched:  # a rank still within its limit: the silent ones may be waiting for it
+            stalls = [stall for stall in stalls if stall.stopped]
         return max(stalls, key=lambda stall: (stall.stopped, stall.silent_s), default=None)
 
     def read(self) -> dict[int, Report]:

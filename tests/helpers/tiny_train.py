@@ -5,6 +5,11 @@ Env: FAIL_PHASE / FAIL_RANK / FAIL_AT_SAVE make that rank raise OSError at that 
 save (phases of resilience.checkpoint.writer); FILL_AFTER_FIRST_SAVE=1 fills the checkpoint's
 filesystem after the first save; RAISE_AT_STEP=N RAISE_RANK=R: rank R raises RuntimeError after backward, before the optimizer
 step, of step N. SLEEP_PER_STEP_S slows steps down.
+FAULTS=KIND@STEP,... FAULT_RANK=R FAULT_DIR=D: rank R, after step STEP's optimizer step, does KIND
+once per D (marker D/fault_KIND; several kinds may share a step, the first not yet done fires):
+hang (sleeps), kill (SIGKILL), stop (SIGSTOP), eval (EVAL_S seconds of evaluation alone, calling
+loop.heartbeat(); the others wait in the next step's all-reduce), collective (an all-reduce the
+other ranks never join: every rank ends up stuck in one).
 """
 
 import gc
@@ -58,18 +63,28 @@ g = torch.Generator().manual_seed(rank)
 batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(40)]
 raise_at = int(os.environ.get("RAISE_AT_STEP", "0"))
 sleep_s = float(os.environ.get("SLEEP_PER_STEP_S", "0"))
-faults = {int(at): kind for kind, at in (item.split("@") for item in os.environ.get("FAULTS", "").split(",") if item)}
+faults: dict[int, list[str]] = {}
+for kind, at in (item.split("@") for item in os.environ.get("FAULTS", "").split(",") if item):
+    faults.setdefault(int(at), []).append(kind)
+# every rank joins the group of the rank-conditional all-reduce; only the faulty rank uses it
+side_group = dist.new_group(backend="gloo") if world > 1 and any("collective" in kinds for kinds in faults.values()) else None
 
 
 def fault(step_number: int) -> None:
-    kind = faults.get(step_number)
-    if kind is None or rank != int(os.environ.get("FAULT_RANK", "1")):
+    if rank != int(os.environ.get("FAULT_RANK", "1")):
         return
-    marker = Path(os.environ["FAULT_DIR"]) / f"fault_{kind}"
-    if marker.exists():
+    kind = next((kind for kind in faults.get(step_number, ()) if not (Path(os.environ["FAULT_DIR"]) / f"fault_{kind}").exists()), None)
+    if kind is None:
         return
-    marker.touch()
-    if kind == "kill":
+    (Path(os.environ["FAULT_DIR"]) / f"fault_{kind}").touch()
+    if kind == "eval":
+        ends = time.monotonic() + float(os.environ["EVAL_S"])
+        while time.monotonic() < ends:
+            loop.heartbeat()
+            time.sleep(0.05)
+    elif kind == "collective":
+        dist.all_reduce(torch.ones(1), group=side_group)
+    elif kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -129,6 +129,49 @@ def test_without_restarts_a_hang_exits_75_within_the_timeout_and_the_next_start_
     assert_bitwise_equal(final_weights(ckpt), uninterrupted)
 
 
+SHORT_S = 4  # --progress-timeout of the tests of how the job is judged: cheap, far above a tiny step
+
+
+def silence(text: str) -> float:
+    """The seconds of the watchdog's first "made no progress for S s" in ``text``."""
+    return float(re.search(r"made no progress for ([\d.]+) s", text).group(1))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_a_rank_evaluating_alone_for_3x_the_timeout_keeps_its_waiting_peer_alive_and_a_later_hang_is_still_caught(tmp_path):
+    """Rank 0 evaluates alone in step 12 for 3x --progress-timeout, calling loop.heartbeat(), while
+    rank 1 waits in the next all-reduce: waiting, not hung, so training goes on (LATEST reaches step
+    20). Rank 0's hang in step 23 (rank 1 waits in the next all-reduce again) is caught right after
+    the timeout."""
+    ckpt = tmp_path / "ck"
+    env = {"FAULTS": "eval@12,hang@23", "FAULT_RANK": "0", "FAULT_DIR": str(tmp_path), "EVAL_S": str(3 * SHORT_S)}
+    code, out, _ = run(ckpt, "--progress-timeout", str(SHORT_S), env=env)
+    assert code == ExitCode.PREEMPTED, out
+    assert {p.name for p in tmp_path.glob("fault_*")} == {"fault_eval", "fault_hang"}
+    assert out.count("resilience run: watchdog:") == 1 and SHORT_S <= silence(out) < SHORT_S + 2, out
+    assert f'tiny_train.py", line {HANG_LINE} in fault' in out, out
+    assert os.readlink(ckpt / LATEST) == "epoch_0_step_20", out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_a_rank_conditional_all_reduce_in_the_first_step_after_an_in_job_restart_is_caught_within_the_timeout(tmp_path):
+    """After a kill in step 6 the ranks resume epoch_0_step_5, and rank 1 calls an all-reduce rank 0
+    never joins in step 6 again: every rank ends up stuck in a collective. It is caught right after
+    --progress-timeout, not after the start-up limit (600 s) that the resume's record asked for until
+    a step report replaced it (steps of a few ms were reported only 0.5 s after it)."""
+    ckpt = tmp_path / "ck"
+    env = {"FAULTS": "kill@6,collective@6", "FAULT_RANK": "1", "FAULT_DIR": str(tmp_path)}
+    code, out, _ = run(ckpt, "--max-restarts", "1", "--progress-timeout", str(SHORT_S), env=env, timeout=150)
+    assert code == ExitCode.PREEMPTED, out
+    assert "rank 1 exited with signal SIGKILL; restarting every local rank from LATEST (in-job restart 1 of 1)" in out, out
+    stall = re.search(r"resilience run: (.*); no in-job restart left", out)
+    assert stall is not None and SHORT_S <= silence(stall.group(1)) < SHORT_S + 2, out
+    assert 'tiny_train.py", line' in out and " in fault" in out and "all_reduce" in out, out  # rank 1's stack
+    assert "rank 0: resumed from epoch_0_step_5" in out and os.readlink(ckpt / LATEST) == "epoch_0_step_5", out
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_crash_at_the_same_step_on_every_start_ends_with_76_after_the_no_progress_limit(tmp_path):
