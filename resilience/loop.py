@@ -37,7 +37,7 @@ from resilience.parent_death import die_with_launcher
 from resilience.progress import ProgressReporter
 from resilience.slurm.job import run_id_from_env, signal_reach_warning
 from resilience.state.accumulation import micro_batches
-from resilience.state.batch_size import BatchSizeChangeRefused, global_batch_size
+from resilience.state.batch_size import BatchSizeChangeRefused, batch_layout
 from resilience.state.data_position import epoch_iterator, loader_length, set_epoch
 from resilience.state.step_scheduler import StepScheduler
 from resilience.state.worker_signals import shield_dataloader_workers
@@ -58,7 +58,7 @@ STOP_DEADLINE = 2
 class ResilientLoop:
     """Iterable over :class:`Step` that resumes, saves and stops; see :func:`resilient_loop`."""
 
-    def __init__(self, config: ResilienceConfig, state: TrainingState, *, ctx: DistContext | None = None):
+    def __init__(self, config: ResilienceConfig, state: TrainingState, *, ctx: DistContext | None = None, data_parallel: tuple[int, int] | None = None):
         self.config = config
         self.state = state
         self.ctx = ctx if ctx is not None else DistContext.from_env(timeout_s=collective_timeout_s(config.checkpoint.async_timeout_s))
@@ -67,15 +67,15 @@ class ResilientLoop:
         self.progress.phase("starting")
         self.scheduler = StepScheduler(config.step_scheduler.num_epochs, config.step_scheduler.max_steps)
         self.timer = RunTimer()  # moving averages of step and save time (seconds), recorded in each checkpoint
+        global_batch, layout = batch_layout(config.step_scheduler, state, self.ctx, data_parallel)  # tensor-parallel ranks share batches
         self.checkpointer = Checkpointer(
             config.checkpoint,
             self.ctx,
             state=state,
             scheduler=self.scheduler,
             timer=self.timer,
-            global_batch_size=global_batch_size(
-                config.step_scheduler.global_batch_size, state.dataloader, self.ctx, config.step_scheduler.gradient_accumulation_steps
-            ),
+            global_batch_size=global_batch,
+            data_parallel=layout,
             run_config=config.to_dict(),
             run_id=run_id_from_env(),
         )
@@ -362,6 +362,7 @@ def resilient_loop(
     dataloader: Any,
     extra_state: dict[str, Any] | None = None,
     tokenizer: Any = None,
+    data_parallel: tuple[int, int] | None = None,
 ) -> ResilientLoop:
     """Wrap a training loop with preemption handling, checkpointing and exact resume.
 
@@ -376,6 +377,7 @@ def resilient_loop(
         extra_state: name -> object with ``state_dict()``/``load_state_dict()`` (NeMo's "Save
             Additional States"); its state may hold tensors, NumPy arrays, numbers, strings and containers.
         tokenizer: a Hugging Face tokenizer; its files are saved with the model (optional).
+        data_parallel: ``(dp_rank, dp_size)`` when ranks share batches (tensor parallel) and the loader has no ``DistributedSampler``.
 
     Returns a :class:`ResilientLoop`; iterate it for :class:`Step` objects, then exit with
     ``loop.exit_code``. Constructing it is a collective when torch.distributed is initialised.
@@ -384,7 +386,7 @@ def resilient_loop(
 
     Raises:
         TypeError / ValueError: an object that cannot be checkpointed (see :class:`TrainingState`).
-        ConfigError: invalid configuration (before any training), including a
+        ConfigError: invalid configuration or ``data_parallel`` (before any training), including a
             ``checkpoint.restore_from`` or ``checkpoint.load_path`` that names no existing path
             (``load_path`` only while ``checkpoint_dir`` has no ``LATEST``).
         CheckpointNotFound: ``checkpoint.restore_from`` or ``load_path`` exists but holds no valid checkpoint (at iteration start).
@@ -398,4 +400,4 @@ def resilient_loop(
         model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader, extra=dict(extra_state or {}), tokenizer=tokenizer
     )
     release_at_exit(model)  # DDP's reducer, then the default group, freed at exit in the safe order
-    return ResilientLoop(config, state)
+    return ResilientLoop(config, state, data_parallel=data_parallel)

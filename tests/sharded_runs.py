@@ -25,11 +25,13 @@ HELPER = HELPERS / "sharded_train.py"
 MESH_SCRIPT = HELPERS / "mesh_train.py"
 
 
-def run(ckpt: Path, out: Path, layout: str, nproc: int, *overrides: str, dims: str = "6,10,3", timeout: float = 300.0) -> list[int]:
+def run(
+    ckpt: Path, out: Path, layout: str, nproc: int, *overrides: str, dims: str = "6,10,3", timeout: float = 300.0, env: dict[str, str] | None = None
+) -> list[int]:
     """Run the helper with ``layout`` on ``nproc`` ranks (model sizes ``dims``: input, hidden,
-    output) until every rank exits; returns their exit codes."""
+    output; ``env``: more of its variables, e.g. ``LOADER``) until every rank exits; returns their exit codes."""
     cmd = [sys.executable, str(HELPER), str(ckpt), str(out), layout, *overrides]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DIMS": dims}
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DIMS": dims, **(env or {})}
     if nproc == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deadline = time.monotonic() + timeout

@@ -31,6 +31,7 @@ from resilience.checkpoint.writer import SAVE_FAILURES, describe_failure, phase,
 from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
 from resilience.state.batch_size import epoch_complete
+from resilience.state.data_parallel import DataParallel
 from resilience.state.step_scheduler import StepScheduler
 from resilience.state.training_state import TrainingState
 from resilience.stop.interrupt import HeldInterrupt
@@ -52,9 +53,11 @@ class Checkpointer(Resuming):
 
     What it saves is registered once, here: ``state`` (the objects), ``scheduler`` (whose
     counters name each checkpoint), ``timer`` (its step and save times are recorded in each
-    manifest), ``global_batch_size`` (samples per optimizer step over all ranks; ``None`` when
-    unknown) and ``run_id`` (the environment's: ``RESILIENCE_RUN_ID`` or the Slurm job's; see
-    :meth:`_run_id`). A save is then just ``save(reason)``.
+    manifest), ``global_batch_size`` (samples per optimizer step over the data-parallel replicas;
+    ``None`` when unknown), ``data_parallel`` (which ranks share a replica, recorded too: a resume
+    under another layout maps each rank's data position by it; ``None``: every rank its own) and
+    ``run_id`` (the environment's: ``RESILIENCE_RUN_ID`` or the Slurm job's; see :meth:`_run_id`).
+    A save is then just ``save(reason)``.
 
     With ``config.is_async`` a save takes a snapshot (model and optimizer tensors copied into
     reused host buffers; RNG, data position, counters captured) and returns; a background thread
@@ -73,6 +76,7 @@ class Checkpointer(Resuming):
         scheduler: StepScheduler,
         timer: RunTimer | None = None,
         global_batch_size: int | None = None,
+        data_parallel: DataParallel | None = None,
         run_config: dict[str, Any] | None = None,
         run_id: str | None = None,
     ):
@@ -82,6 +86,7 @@ class Checkpointer(Resuming):
         self.scheduler = scheduler
         self.timer = timer
         self.global_batch_size = global_batch_size
+        self.data_parallel = data_parallel
         self.root = Path(config.checkpoint_dir).absolute()
         self.run_config = run_config or {}
         self.run_id = run_id
@@ -190,6 +195,7 @@ class Checkpointer(Resuming):
             "run_id": self._run_id(),
             "torch_version": torch.__version__,
             "global_batch_size": self.global_batch_size,
+            "data_parallel_replicas": list(self.data_parallel.replicas) if self.data_parallel else None,  # by rank
             # batches_in_epoch counts micro-batches: a resume under another batch size needs both
             "gradient_accumulation_steps": int(self.run_config.get("step_scheduler", {}).get("gradient_accumulation_steps") or 1),
             "epoch_complete": epoch_complete(state.dataloader, scheduler.batches_in_epoch),

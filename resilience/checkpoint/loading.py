@@ -19,6 +19,7 @@ from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, OPTIM_DIR,
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
+from resilience.state.data_parallel import DataParallel, position_rank
 from resilience.state.data_position import read_data_position
 from resilience.state.training_state import TrainingState
 
@@ -53,6 +54,7 @@ def load_state(
     *,
     weights_only: bool,
     check: ContentCheck | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> Restored:
     """Load the checkpoint in ``directory`` (its parsed ``manifest``) into ``state`` (a collective over ``ctx``).
 
@@ -64,7 +66,9 @@ def load_state(
     ``reload_main_params_from_model()``, where it has one, rebuilds its FP32 master copy from the
     loaded weights. Another world size than the saver's is refused unless
     ``config.world_size_change`` is ``elastic`` (or ``config.no_load_optim``); then every rank
-    replays the epoch's order and takes the RNG of rank ``rank % saved_world_size``.
+    takes the RNG of rank ``rank % saved_world_size``. The data position is that of a saved rank of
+    the data-parallel replica this rank belongs to (``data_parallel``; ``None``: every rank its own),
+    when the checkpoint had as many replicas; otherwise every rank replays the epoch's order.
 
     Raises:
         ValueError: the checkpoint was written with a different world size.
@@ -93,14 +97,18 @@ def load_state(
         obj.load_state_dict(load_extra_state(directory, key))
     rank = ctx.rank
     step_state = json.loads((directory / STEP_SCHEDULER).read_text())
-    if resized:  # elastic: same global batches consumed; the new ranks replay the epoch's order
+    if resized:
         log.warning("rank %d: resuming %s saved with world size %d under world size %d (elastic)", rank, directory.name, saved_world, ctx.world_size)
+    layout = data_parallel or DataParallel(tuple(range(ctx.world_size)))
+    source = position_rank(meta.get("data_parallel_replicas"), saved_world, layout, rank)
+    if source is None:  # another number of replicas: the same global batches consumed; the new ranks replay the epoch's order
+        if not resized:
+            log.warning("rank %d: %s was saved under another data-parallel layout: the epoch's order is replayed", rank, directory.name)
         data_position = {"batches_in_epoch": step_state["batches_in_epoch"], "loader": None}
-        rng_rank = rank % saved_world
-    else:
-        data_file = directory / dataloader_rank_file(rank)
+    else:  # a rank of the same replica (the ranks of a replica hold the same position)
+        data_file = directory / dataloader_rank_file(source)
         data_position = read_data_position(data_file) if data_file.exists() else None
-        rng_rank = rank
+    rng_rank = rank % saved_world
     return Restored(
         directory=directory,
         step_scheduler=step_state,

@@ -24,6 +24,7 @@ from resilience.checkpoint.resume_choice import remove_leftovers
 from resilience.checkpoint.storage.manifest import read_manifest
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 from resilience.state.batch_size import continue_with_batch_size
+from resilience.state.data_parallel import DataParallel
 from resilience.state.rng import load_rng_state
 from resilience.state.training_state import TrainingState
 
@@ -39,6 +40,7 @@ class Resuming:
     run_id: str | None
     run_config: dict[str, Any]
     global_batch_size: int | None
+    data_parallel: DataParallel | None
     _chosen_manifest: tuple[Path | None, dict[str, Any] | None]
 
     def missing_source(self) -> str | None:
@@ -180,7 +182,7 @@ class Resuming:
         weights_only = self.config.no_load_optim and self.resume_source in ("load_path", "restore_from")
         inline = inline_files(manifest, state, weights_only=weights_only)
         with checking_while_loading(self.ctx, directory, manifest, inline=inline) as check:
-            restored = load_state(directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check)
+            restored = load_state(directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check, data_parallel=self.data_parallel)
         if not weights_only:
             if self.ctx.rank == 0 and self.resume_source != "load_path":
                 self.lowest_val.reload()  # the best so far survives the restart

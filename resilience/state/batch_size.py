@@ -1,24 +1,29 @@
-"""The global batch size (samples per optimizer step over all ranks) and a change of it at resume.
+"""The global batch size (samples per optimizer step over the data-parallel replicas) and a change of it at resume.
 
 Every checkpoint records the global batch it was trained with (``meta.global_batch_size``):
 ``step_scheduler.global_batch_size`` when given, else the loader's batch size summed over the
-ranks. At resume with another value the epoch continues exactly at the next unseen sample, or
-the resume is refused (:class:`BatchSizeChangeRefused`, exit 2) — samples are never skipped or
-repeated silently. The counters' rule, the one Megatron/NeMo keep under a batch-size ramp:
-``global_step`` counts optimizer steps of the whole run and never goes back, so the LR
-scheduler's step (it counts ``optimizer.step()`` calls) stays equal to it and new checkpoint
-names stay above the existing ones; only the position within the epoch is re-expressed in
-batches of the new size.
+data-parallel replicas (:mod:`resilience.state.data_parallel`: the ranks of one replica, e.g. the
+tensor-parallel ranks of a mesh, see the same batches and count once). At resume with another
+value the epoch continues exactly at the next unseen sample, or the resume is refused
+(:class:`BatchSizeChangeRefused`, exit 2) — samples are never skipped or repeated silently. The
+counters' rule, the one Megatron/NeMo keep under a batch-size ramp: ``global_step`` counts
+optimizer steps of the whole run and never goes back, so the LR scheduler's step (it counts
+``optimizer.step()`` calls) stays equal to it and new checkpoint names stay above the existing
+ones; only the position within the epoch is re-expressed in batches of the new size.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from resilience.config.checks import ConfigError
+from resilience.config.step_scheduler import StepSchedulerConfig
 from resilience.distributed import DistContext
+from resilience.state.data_parallel import DataParallel, data_parallel_layout
 from resilience.state.data_position import epoch_setter, is_stateful, loader_length
+from resilience.state.training_state import TrainingState
 
 log = logging.getLogger("resilience")
 
@@ -39,24 +44,47 @@ def loader_batch_size(loader: Any) -> int | None:
     return None
 
 
-def global_batch_size(configured: int | None, loader: Any, ctx: DistContext, accumulation: int = 1) -> int | None:
-    """Samples per optimizer step over all ranks: ``configured`` when given, else the sum of every
-    rank's :func:`loader_batch_size` times ``accumulation`` (``step_scheduler.gradient_accumulation_steps``),
-    or ``None`` when any rank's cannot be known. A collective (every rank calls it).
+def global_batch_size(configured: int | None, loader: Any, ctx: DistContext, accumulation: int = 1, replicas: Sequence[int] | None = None) -> int | None:
+    """Samples per optimizer step over the data-parallel replicas: ``configured`` when given, else
+    the sum of one :func:`loader_batch_size` per replica times ``accumulation``
+    (``step_scheduler.gradient_accumulation_steps``), or ``None`` when any rank's cannot be known. A
+    collective (every rank calls it).
+
+    Args:
+        replicas: every rank's data-parallel replica, by rank (``DataParallel.replicas``); ``None``:
+            every rank its own.
 
     Raises:
-        ConfigError: ``configured`` differs from what the loaders give (sum x ``accumulation``): the
-            sample arithmetic of a resume with another batch size would then be wrong.
+        ConfigError: two ranks of one replica have different batch sizes, or ``configured`` differs
+            from what the loaders give (the sum x ``accumulation``): the sample arithmetic of a
+            resume with another batch size would then be wrong.
     """
     sizes = ctx.all_gather_object(loader_batch_size(loader))
-    derived = None if any(size is None for size in sizes) else sum(sizes) * accumulation
+    replicas = list(replicas) if replicas is not None else list(range(len(sizes)))
+    per_replica: dict[int, int] = {}
+    for rank, (replica, size) in enumerate(zip(replicas, sizes)):
+        if size is not None and per_replica.setdefault(replica, size) != size:
+            raise ConfigError(
+                f"dataloader: rank {rank} has batch size {size} but another rank of its data-parallel replica {replica} has "
+                f"{per_replica[replica]} (rank -> batch size: {dict(enumerate(sizes))}); the ranks of one replica train on the same batches"
+            )
+    derived = None if any(size is None for size in sizes) else sum(per_replica.values()) * accumulation
     if configured is not None and derived is not None and configured != derived:
         raise ConfigError(
-            f"{KEY} (MindSpore: training.global_batch_size): {configured} does not match the loaders: batch sizes {sizes} over {len(sizes)} rank(s) x "
+            f"{KEY} (MindSpore: training.global_batch_size): {configured} does not match the loaders: batch sizes {sizes} over "
+            f"{len(sizes)} rank(s) in {len(per_replica)} data-parallel replica(s) (the ranks of one replica count once) x "
             f"step_scheduler.gradient_accumulation_steps {accumulation} = {derived} samples per optimizer step. "
             f"Set {KEY} to {derived}, or null to derive it"
         )
     return configured if configured is not None else derived
+
+
+def batch_layout(config: StepSchedulerConfig, state: TrainingState, ctx: DistContext, data_parallel: Any = None) -> tuple[int | None, DataParallel]:
+    """This run's global batch (:func:`global_batch_size` of ``config``'s ``global_batch_size`` and
+    ``gradient_accumulation_steps``) and data-parallel layout (:func:`~resilience.state.data_parallel.data_parallel_layout`
+    of ``data_parallel``, what ``resilient_loop()`` was given); collectives. Raises ``ConfigError`` as those do."""
+    layout = data_parallel_layout(state.dataloader, state.model, ctx, data_parallel)
+    return global_batch_size(config.global_batch_size, state.dataloader, ctx, config.gradient_accumulation_steps, layout.replicas), layout
 
 
 def epoch_complete(loader: Any, batches_in_epoch: int) -> bool:
@@ -80,7 +108,7 @@ def continue_with_batch_size(
 
     Unchanged when the global batch is the same or either side is unknown (``None``: nothing to
     compare; the epoch continues by batch count, as saved). When it changed, the samples consumed
-    in the epoch (``batches_in_epoch`` loader batches of ``old / A_old`` samples over all ranks) must be
+    in the epoch (``batches_in_epoch`` loader batches of ``old / A_old`` samples over the replicas) must be
     a whole number of new loader batches (``new / A_new``): the position
     becomes that number of batches. A torchdata ``StatefulDataLoader``'s own state counts samples
     and is loaded as saved; any other loader replays the epoch's sampler order (``set_epoch`` or
@@ -126,12 +154,12 @@ def continue_with_batch_size(
     elif samples % per_batch == 0:
         moved = samples // per_batch
     else:
-        source = "configured" if configured else "the loader's batch size x world size, as step_scheduler.global_batch_size is null"
+        source = "configured" if configured else "the loader's batch size x data-parallel replicas, as step_scheduler.global_batch_size is null"
         raise BatchSizeChangeRefused(
             f"{KEY} changed from {old} (saved in {checkpoint}) to {new} ({source}): the {samples} samples of epoch "
-            f"{step_state['epoch']} consumed so far are not a whole number of loader batches of {per_batch} over all ranks "
+            f"{step_state['epoch']} consumed so far are not a whole number of loader batches of {per_batch} over the data-parallel replicas "
             f"(a global batch of {new} in {accumulation} micro-batch(es)), so resuming would "
-            f"skip or repeat samples. Resume with a global batch of {old}, or with a per-rank batch x world size that "
+            f"skip or repeat samples. Resume with a global batch of {old}, or with a per-rank batch x data-parallel replicas that "
             f"divides {samples}, or from a checkpoint at an epoch's end"
         )
     where = (

@@ -8,7 +8,15 @@ plain, replicated), ``fsdp_tp`` (2-D mesh dp x tp = world/2 x 2: TP inside, FSDP
 ``hsdp`` (2-D mesh replicate x shard = 2 x world/2: ``fully_shard`` on both, placements
 (Replicate, Shard)), ``partial`` (plain, with one DTensor parameter of placement Partial).
 
-Writes OUT_DIR/rank<R>.json ({"steps", "losses", "lrs", "exit"}) and, from rank 0, the full
+Env ``LOADER``: ``list`` (default: 12 batches of 4 made on each rank from its data-parallel index;
+its batch size cannot be read, and the layouts whose data-parallel identity cannot be known from it,
+``tp``, ``fsdp_tp`` and ``partial``, state it: ``resilient_loop(data_parallel=...)``, unless env
+``DATA_PARALLEL=unstated``), ``sampler`` (``DataLoader`` of ``SAMPLES`` (48) samples in batches of
+``BATCH`` (4) over a shuffling ``DistributedSampler`` of the data-parallel replicas) or ``stateful``
+(the same with a ``StatefulDataLoader``); with the last two each step's record lists the sample ids
+this rank trained (``ids``).
+
+Writes OUT_DIR/rank<R>.json ({"steps", "losses", "lrs", "ids", "exit"}) and, from rank 0, the full
 weights (OUT_DIR/weights.safetensors) and full optimizer state (OUT_DIR/optim.safetensors,
 keys ``<fqn>/<name>``) at the end of the run, gathered from every rank; a resumed run also writes
 them as loaded (OUT_DIR/loaded_*.safetensors), before its first step trains. Env DIMS=d,h,o sets
@@ -48,48 +56,60 @@ class Net(torch.nn.Module):
 
 
 def shard(model):
-    """Lay ``model`` out as LAYOUT says; returns (the module to call, its data-parallel rank)."""
+    """Lay ``model`` out as LAYOUT says; returns (the module to call, its data-parallel rank and size)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp_plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
     if layout == "plain":
-        return (torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model), rank
+        return (torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model), rank, world
     if layout == "fsdp":
         mesh = init_device_mesh("cpu", (world,))
         for block in (model.up, model.down):
             fully_shard(block, mesh=mesh)
-        return fully_shard(model, mesh=mesh), rank
+        return fully_shard(model, mesh=mesh), rank, world
     if layout == "tp":
         parallelize_module(model, init_device_mesh("cpu", (world,)), tp_plan)
-        return model, 0  # every rank sees the same data
+        return model, 0, 1  # every rank sees the same data
     if layout == "fsdp_tp":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], tp_plan)
-        return fully_shard(model, mesh=mesh["dp"]), mesh["dp"].get_local_rank()
+        return fully_shard(model, mesh=mesh["dp"]), mesh["dp"].get_local_rank(), world // 2
     if layout == "hsdp":
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-        return fully_shard(model, mesh=mesh), rank
+        return fully_shard(model, mesh=mesh), rank, world
     if layout == "partial":
         from torch.distributed.tensor import DTensor, Partial
 
         mesh = init_device_mesh("cpu", (world,))
         model.head.bias = torch.nn.Parameter(DTensor.from_local(model.head.bias.detach().clone(), mesh, [Partial()]))
-        return model, rank
+        return model, rank, world
     raise SystemExit(f"unknown layout {layout!r}")
 
 
 cfg = load_config(None, [f"checkpoint.checkpoint_dir={ckpt_dir}", "step_scheduler.num_epochs=1", *overrides])
 torch.manual_seed(0)
 model = Net()
-net, dp_rank = shard(model)
+net, dp_rank, dp_size = shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
 lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-g = torch.Generator().manual_seed(dp_rank)
-batches = [(torch.randn(4, DIM, generator=g), torch.randn(4, OUT, generator=g)) for _ in range(12)]
+loader_kind, stated = os.environ.get("LOADER", "list"), {}
+if loader_kind == "list":
+    g = torch.Generator().manual_seed(dp_rank)
+    batches = [(torch.randn(4, DIM, generator=g), torch.randn(4, OUT, generator=g)) for _ in range(12)]
+    if layout in ("tp", "fsdp_tp", "partial") and os.environ.get("DATA_PARALLEL") != "unstated":
+        stated = {"data_parallel": (dp_rank, dp_size)}
+else:
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
-record = {"steps": [], "losses": [], "lrs": []}
+    samples, g = int(os.environ.get("SAMPLES", "48")), torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.arange(samples), torch.randn(samples, DIM, generator=g), torch.randn(samples, OUT, generator=g))
+    sampler = DistributedSampler(data, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=5)
+    batches = (StatefulDataLoader if loader_kind == "stateful" else DataLoader)(data, batch_size=int(os.environ.get("BATCH", "4")), sampler=sampler)
+
+record = {"steps": [], "losses": [], "lrs": [], "ids": []}
 
 
 def dump(prefix=""):
@@ -104,7 +124,7 @@ def dump(prefix=""):
 
 
 try:
-    loop = resilient_loop(cfg, model=net, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=batches)
+    loop = resilient_loop(cfg, model=net, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=batches, **stated)
 except ConfigError as exc:  # found before training, on every rank
     print(f"rank {rank}: ConfigError: {exc}", file=sys.stderr, flush=True)
     sys.exit(int(ExitCode.CONFIG_ERROR))
@@ -112,7 +132,7 @@ with loop:
     for step in loop:
         if loop.resumed_from is not None and not record["steps"]:
             dump("loaded_")  # what the resume loaded, before this process trains it
-        x, y = step.batch
+        *ids, x, y = step.batch
         loss = torch.nn.functional.mse_loss(net(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -121,6 +141,7 @@ with loop:
         record["steps"].append(step.global_step)
         record["losses"].append(loss.item())
         record["lrs"].append(lr_scheduler.get_last_lr()[0])
+        record["ids"].append(ids[0].tolist() if ids else None)
         loop.log(loss=loss.item())
 
 dump()

@@ -1,0 +1,156 @@
+"""Which ranks share a data-parallel replica (train on the same batches), for the global batch and the data position.
+
+A rank's replica, in this order:
+
+1. what ``resilient_loop(data_parallel=(dp_rank, dp_size))`` states;
+2. the loader's ``DistributedSampler`` (its ``rank`` and ``num_replicas``, on the loader's sampler or
+   batch sampler): ranks whose samplers have the same ``rank`` draw the same samples;
+3. the rank itself (every rank its own replica) when the model holds no ``DTensor``, or only
+   FSDP2's own layouts over all ranks (``fully_shard``: ``Shard`` on a 1-D mesh; HSDP:
+   ``(Replicate, Shard)`` on a 2-D one).
+
+Otherwise (a tensor-parallel ``DTensor``, FSDP2 over a tensor-parallel one, a mesh over part of the
+ranks) the ranks of a non-data-parallel mesh dimension may see the same batches and nothing says
+which: :func:`data_parallel_layout` refuses rather than guess. A tensor-parallel x2 run with one
+replica counts its batch once, not twice; summed over its two ranks, a resume under FSDP2 x2 would
+skip half an epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from resilience.config.checks import ConfigError
+from resilience.distributed import DistContext
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import DTensor, Replicate, Shard
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch < 2.6
+    from torch.distributed._composable.fsdp import FSDPModule
+
+KEY = "data_parallel"
+HOW = (
+    "state it: resilient_loop(..., data_parallel=(dp_rank, dp_size)), this rank's index among the data-parallel "
+    "replicas and their number (with a device mesh: (mesh['dp'].get_local_rank(), mesh['dp'].size())), or give the "
+    "loader a DistributedSampler(num_replicas=dp_size, rank=dp_rank)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """A run's data-parallel layout: ``replicas[r]`` is global rank r's replica (0 .. size - 1)."""
+
+    replicas: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """The number of data-parallel replicas."""
+        return len(set(self.replicas))
+
+
+def data_parallel_layout(loader: Any, model: torch.nn.Module, ctx: DistContext, stated: Any = None) -> DataParallel:
+    """Every rank's data-parallel replica (see the module doc); a collective (one all-gather).
+
+    Args:
+        loader: the run's dataloader.
+        model: the module being trained.
+        ctx: the run's ranks.
+        stated: ``resilient_loop()``'s ``data_parallel``: ``(dp_rank, dp_size)`` or ``None``.
+
+    Raises:
+        ConfigError: on every rank alike: ``stated`` is not two ints with ``0 <= dp_rank < dp_size``,
+            it disagrees with the loader's ``DistributedSampler``, the ranks' sizes differ or leave a
+            replica without a rank, or the replica cannot be known (the message says how to state it).
+    """
+    own, error = _own_replica(loader, model, ctx, stated)
+    gathered = ctx.gather_or_raise(error, own, fail=lambda detail: ConfigError(f"{KEY}: {detail}; {HOW}"))
+    sizes = [size for _, size in gathered]
+    replicas = tuple(replica for replica, _ in gathered)
+    if len(set(sizes)) > 1:
+        raise ConfigError(f"{KEY}: the ranks give different data-parallel sizes (rank -> size: {dict(enumerate(sizes))}); {HOW}")
+    missing = sorted(set(range(sizes[0])) - set(replicas))
+    if missing:
+        raise ConfigError(
+            f"{KEY}: a data-parallel size of {sizes[0]} but no rank holds replica(s) {missing} (rank -> replica: "
+            f"{dict(enumerate(replicas))}): their samples would never be trained; {HOW}"
+        )
+    return DataParallel(replicas)
+
+
+def sampler_replica(loader: Any) -> tuple[int, int] | None:
+    """``(rank, num_replicas)`` of the loader's ``DistributedSampler`` (its sampler, batch sampler, or
+    the batch sampler's sampler: the first with both as ints), else ``None``."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for obj in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        rank, size = getattr(obj, "rank", None), getattr(obj, "num_replicas", None)
+        if _is_int(rank) and _is_int(size):
+            return rank, size
+    return None
+
+
+def non_data_parallel_parameter(model: torch.nn.Module, world_size: int) -> str | None:
+    """The name of the first ``DTensor`` parameter not laid out by FSDP2 alone over all
+    ``world_size`` ranks (its mesh has a dimension whose ranks may share batches), else ``None``."""
+    managed = {id(p) for module in model.modules() if isinstance(module, FSDPModule) for p in module.parameters()}
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor) and (id(param) not in managed or not _fsdp_placements(param, world_size)):
+            return name
+    return None
+
+
+def position_rank(saved_replicas: Sequence[int] | None, saved_world: int, layout: DataParallel, rank: int) -> int | None:
+    """The saved rank whose data position ``rank`` continues: one of the replica it now belongs to
+    (itself when it still does), when the checkpoint's layout had as many replicas; else ``None``
+    (the epoch's order is replayed). ``saved_replicas`` ``None``: a checkpoint from before the layout
+    was recorded, every rank its own replica."""
+    saved = list(saved_replicas) if saved_replicas is not None else list(range(saved_world))
+    if len(set(saved)) != layout.size:
+        return None
+    mine = layout.replicas[rank]
+    if rank < len(saved) and saved[rank] == mine:
+        return rank
+    return next((r for r, replica in enumerate(saved) if replica == mine), None)
+
+
+def _own_replica(loader: Any, model: torch.nn.Module, ctx: DistContext, stated: Any) -> tuple[tuple[int, int] | None, str | None]:
+    """This rank's ``(replica, size)``, or the reason it cannot be given (a short line)."""
+    if stated is not None:
+        if not (isinstance(stated, (tuple, list)) and len(stated) == 2 and all(_is_int(v) for v in stated) and 0 <= stated[0] < stated[1]):
+            return None, f"expected (dp_rank, dp_size), two ints with 0 <= dp_rank < dp_size, got {stated!r}"
+        stated = (stated[0], stated[1])
+    sampler = sampler_replica(loader)
+    if stated is not None and sampler is not None and stated != sampler:
+        return None, f"{stated} disagrees with the loader's DistributedSampler (rank={sampler[0]}, num_replicas={sampler[1]})"
+    if stated is not None or sampler is not None:
+        return stated or sampler, None
+    if ctx.world_size == 1:
+        return (0, 1), None
+    name = non_data_parallel_parameter(model, ctx.world_size)
+    if name is not None:
+        return None, (
+            f"which ranks train on the same batches cannot be known: parameter {name!r} is a DTensor over a mesh "
+            "dimension that is not data parallel (tensor parallel: its ranks share batches), and the loader has no DistributedSampler"
+        )
+    return (ctx.rank, ctx.world_size), None
+
+
+def _fsdp_placements(param: Any, world_size: int) -> bool:
+    """FSDP2's own layout over every rank: ``Shard`` on a 1-D mesh, or HSDP's ``(Replicate, Shard)``."""
+    placements = tuple(param.placements)
+    if param.device_mesh.size() != world_size:
+        return False
+    if len(placements) == 1:
+        return isinstance(placements[0], Shard)
+    return len(placements) == 2 and isinstance(placements[0], Replicate) and isinstance(placements[1], Shard)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
