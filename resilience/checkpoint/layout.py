@@ -8,6 +8,8 @@ names from here only, so this tree is the whole layout::
       LOWEST_VAL -> epoch_0_step_20       LOWEST_VAL: the checkpoint with the lowest validation metric
       training.jsonl  validation.jsonl    TRAINING_LOG, VALIDATION_LOG: rank 0's metrics
       .starts.json                        STARTS_FILE: the progress guard's counts of starts
+      .held_stop.json                     HELD_STOP_RECORD: resilience run --checkpoint-dir: a stop signal
+                                          it delivered after holding it for ranks that never got ready
       epoch_1_step_32/                    checkpoint_name(epoch, global_step)
         manifest.json                     MANIFEST: written last; the directory is valid only with it
         .bad                              BAD_MARKER: why it failed to load (it is skipped from then on)
@@ -59,6 +61,7 @@ POINTER_SUFFIX = ".txt"  # a pointer's text form, where symlinks fail
 TRAINING_LOG = "training.jsonl"
 VALIDATION_LOG = "validation.jsonl"
 STARTS_FILE = ".starts.json"
+HELD_STOP_RECORD = ".held_stop.json"
 STAGING_PREFIX = ".staging_"
 TRASH_PREFIX = ".trash_"
 PRUNING_PREFIX = ".pruning_"

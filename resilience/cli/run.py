@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from resilience.env_names import PID_FILE_ENV
 from resilience.exit_codes import ExitCode
 from resilience.launch.forwarding import FORWARDED_SIGNALS, RecordedSignals
+from resilience.launch.held_stops import DEFAULT_HOLD_TIMEOUT_S, write_record
 from resilience.launch.node_faults import NodeFaults
+from resilience.launch.rank_group import RankGroup
 from resilience.launch.start import launch
 from resilience.launch.supervise import Outcome, supervise
 from resilience.launch.watchdog import DEFAULT_STARTUP_TIMEOUT_S, ProgressTimeout
@@ -53,6 +55,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds the other ranks may run after one exits non-zero, before SIGTERM (default 30)",
     )
     parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S", help="seconds between SIGTERM and SIGKILL (default 5)")
+    parser.add_argument(
+        "--signal-hold-timeout",
+        type=float,
+        default=DEFAULT_HOLD_TIMEOUT_S,
+        metavar="S",
+        help="seconds a stop signal (USR1/USR2/TERM) is held for a rank that is not ready (no handler yet, no resilient_loop()) "
+        f"before it is delivered anyway, so the program's own handler or the default action runs; inf: hold until ready "
+        f"(default {DEFAULT_HOLD_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="the ranks' checkpoint root: a stop signal delivered after --signal-hold-timeout is recorded there "
+        "(.held_stop.json), which resilience status DIR shows",
+    )
     parser.add_argument(
         "--progress-timeout",
         default="auto",
@@ -138,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         timeout = ProgressTimeout.parse(args.progress_timeout, args.startup_timeout)
         if args.max_restarts < 0:
             raise ValueError(f"--max-restarts: expected an int >= 0, got {args.max_restarts}")
+        if not args.signal_hold_timeout >= 0:
+            raise ValueError(f"--signal-hold-timeout: expected a number of seconds >= 0 (inf: hold until ready), got {args.signal_hold_timeout}")
         if args.max_restarts and args.nnodes > 1 and not args.fault_file:
             raise ValueError(
                 "--max-restarts: with --nnodes > 1 the launchers restart together through a shared file: pass "
@@ -225,6 +245,7 @@ def _start_once(
             log=_stderr_log,
             restart_count=restarts,
             collective_timeout_s=timeout.collective_s,
+            hold_timeout_s=args.signal_hold_timeout,
         )
     except (ValueError, OSError) as error:
         _stderr_log(f"error: {error}")
@@ -236,7 +257,21 @@ def _start_once(
             except OSError as error:
                 _stderr_log(f"error: cannot write the pid file {pid_file!r}: {error}")
                 return int(ExitCode.CONFIG_ERROR)  # leaving `with group` stops the ranks
-        return supervise(group, recorded, timeout, _stderr_log, nodes)
+        outcome = supervise(group, recorded, timeout, _stderr_log, nodes)
+        if args.checkpoint_dir and group.delivered_after_hold:
+            _record_held_stop(args.checkpoint_dir, group, outcome)
+        return outcome
+
+
+def _record_held_stop(root: str, group: RankGroup, outcome: Outcome) -> None:
+    """Record the last stop signal delivered after the hold in ``root`` for ``resilience status``
+    (the launcher got a signal: ``outcome.code`` is its exit code, see :func:`run`)."""
+    try:
+        path = write_record(root, group.delivered_after_hold[-1], outcome.codes, outcome.code)
+    except OSError as error:
+        _stderr_log(f"cannot record the held stop signal in {root}: {error}")
+    else:
+        _stderr_log(f"recorded the stop signal delivered after the hold in {path} (resilience status {root} shows it)")
 
 
 def _exhausted(outcome: Outcome, restarts: int, max_restarts: int) -> int:

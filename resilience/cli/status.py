@@ -284,7 +284,17 @@ def inspect_root(root: Path, *, deep: bool = False) -> dict[str, Any]:
         "pointers": pointers,
         "resume": resume,
         "restart_guard": _restart_guard(root, resume["checkpoint"]),
+        "held_stop": _held_stop(root),
     }
+
+
+def _held_stop(root: Path) -> dict[str, Any] | None:
+    """The stop signal ``resilience run --checkpoint-dir`` last delivered after holding it for ranks
+    that never got ready (:mod:`resilience.launch.held_stops`), with ``at_utc``; ``None``: none."""
+    from resilience.launch.held_stops import read_record
+
+    record = read_record(root)
+    return None if record is None else {**record, "at_utc": iso_utc(record["at"])}
 
 
 def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:

@@ -97,4 +97,12 @@ def format_status(doc: dict[str, Any]) -> str:
             lines.append(f"  the next start resumes from {resume['checkpoint'] or 'a fresh start'} instead, so it starts a new count")
         if guard["next_start_exits_no_progress"]:
             lines.append(f"  the next start exits 76 (NO_PROGRESS) at once: {guard['why']}; fix the cause, then delete {guard['file']}")
+    held = doc.get("held_stop")
+    if held is not None:
+        lines += [
+            "",
+            f"Stop signal held by resilience run: {', '.join(held['signals'])} held {held['held_s']:g} s for ranks {held['ranks']}, "
+            "which never became ready (no resilient_loop(), no handler of their own), then delivered to them "
+            f"at {held['at_utc']}; the ranks exited with {held['exit_codes']}, exit code {held['exit_code']}",
+        ]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ grace, reaping), :mod:`~resilience.launch.exit_status` (:func:`combine_exit_code
 :mod:`~resilience.launch.ports` (``MASTER_PORT``), :mod:`~resilience.launch.ready_dirs` (the
 handshake's temp directories, and removing those of killed launchers),
 :mod:`~resilience.launch.forwarding` (the signals the launcher records and passes on),
+:mod:`~resilience.launch.held_stops` (how long a stop signal waits for a rank that is not ready),
 :mod:`~resilience.launch.watchdog` and :mod:`~resilience.launch.supervise` (the progress watchdog),
 :mod:`~resilience.launch.node_faults` (the fault file several nodes' launchers share); the
 ``resilience run`` command itself is :mod:`resilience.cli.run`. None of them imports torch, so ``resilience run`` has its handlers

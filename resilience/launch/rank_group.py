@@ -1,4 +1,5 @@
-"""One node's running ranks: stop requests held until a rank is ready, the failure grace, reaping."""
+"""One node's running ranks: stop requests held until a rank is ready (:mod:`~resilience.launch.held_stops`),
+the failure grace, reaping."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from types import TracebackType
 
 from resilience.exit_codes import ExitCode
 from resilience.launch.exit_status import combine_exit_codes, describe_code
+from resilience.launch.held_stops import DEFAULT_HOLD_TIMEOUT_S, catches
 from resilience.progress import progress_file, read_report
 from resilience.stop.handshake import ready_marker, request_stop, stop_taken_marker
 
@@ -26,19 +28,6 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 _ORDERLY_STOPS = (ExitCode.PREEMPTED, ExitCode.NO_PROGRESS, ExitCode.RESTART_LIMIT)
 
 
-def catches(pid: int, sig: int) -> bool | None:
-    """Whether process ``pid`` has a handler for ``sig`` now (bit ``sig - 1`` of ``SigCgt`` in
-    ``/proc/PID/status``, Linux); ``None`` when that cannot be read."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 class RankGroup:
     """The ranks of one node, started by :func:`launch`; a context manager that reaps them all.
 
@@ -49,6 +38,8 @@ class RankGroup:
         failure_grace_s: seconds the other ranks may keep running after one rank exits
             non-zero (they may be finishing a collective) before they get SIGTERM.
         kill_grace_s: seconds between that SIGTERM (or :meth:`terminate`'s) and SIGKILL.
+        hold_timeout_s: seconds a stop signal is held for a rank that is not ready (see
+            :meth:`request_stop`) before it is sent anyway (:data:`DEFAULT_HOLD_TIMEOUT_S`).
 
     Leaving the ``with`` block terminates (SIGTERM, then SIGKILL after ``kill_grace_s``) and
     reaps every rank still running, so none outlives the launcher.
@@ -66,6 +57,7 @@ class RankGroup:
         ready_dir: str | None = None,
         stop_file: str | None = None,
         ready_timeout_s: float = 30.0,
+        hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
     ) -> None:
         self.ready_dir = ready_dir
         self.stop_file = stop_file
@@ -73,6 +65,11 @@ class RankGroup:
         self._started_at = time.monotonic()
         self._held: dict[int, list[int]] = {}  # local rank -> stop signals held until it is ready
         self._held_ever: dict[int, set[int]] = {}  # local rank -> every stop signal it was not ready for
+        self.hold_timeout_s = hold_timeout_s
+        self._held_at: dict[int, float] = {}  # local rank -> when its first held signal came
+        self.delivered_after_hold: list[dict] = []
+        """One entry per delivery after the hold timeout: ``signals`` (names), ``ranks`` (global),
+        ``held_s`` (seconds held), ``at`` (Unix time of the delivery)."""
         self.procs = list(procs)
         self.ranks = list(ranks)
         self.cmd = list(cmd)
@@ -144,6 +141,8 @@ class RankGroup:
         others until they are ready (a rank without its handler would die of it) — they read the
         stop file when they get ready. A held signal is dropped, not sent, for a rank that says
         it took the stop from the file (:func:`resilience.stop.handshake.stop_taken_marker`).
+        A rank still not ready ``hold_timeout_s`` after its first held signal gets them all then
+        (a program without ``resilient_loop()`` never gets ready), with a warning naming it.
         Returns (local ranks signalled, local ranks held)."""
         if self.stop_file is not None:
             try:
@@ -168,6 +167,7 @@ class RankGroup:
             ready = [local for local in ready if local not in finished]
         for local in held:
             self._held.setdefault(local, []).append(sig)
+            self._held_at.setdefault(local, time.monotonic())
             self._held_ever.setdefault(local, set()).add(sig)
         sent = []
         for local in ready:
@@ -200,6 +200,7 @@ class RankGroup:
         return next((alt for alt in STOP_SIGNALS if catches(pid, alt)), sig)
 
     def _release_held(self) -> None:
+        expired = []
         for local in list(self._held):
             if self.procs[local].poll() is not None:
                 del self._held[local]
@@ -210,6 +211,25 @@ class RankGroup:
             elif all(self.is_ready(local, sig) for sig in self._held[local]):
                 for sig in self._held.pop(local):
                     self.send_signal(sig, [local])
+            elif time.monotonic() - self._held_at[local] >= self.hold_timeout_s:
+                expired.append(local)
+        if expired:
+            self._deliver_after_hold(expired)
+
+    def _deliver_after_hold(self, expired: Sequence[int]) -> None:
+        """Send their held signals to the local ranks ``expired``, not ready ``hold_timeout_s`` after
+        the first: better their own handler, or the default action, than none before the job ends."""
+        names = sorted({signal.Signals(sig).name for local in expired for sig in self._held[local]})
+        held_s = time.monotonic() - min(self._held_at[local] for local in expired)
+        self._log(
+            f"warning: ranks {self._global(expired)} never became ready (no ready marker from resilient_loop(), no handler "
+            f"for {', '.join(names)}) in the {self.hold_timeout_s:g} s the stop was held for them (--signal-hold-timeout): "
+            "delivering it now, so their own handler or the default action (terminate) runs"
+        )
+        for local in expired:
+            for sig in self._held.pop(local):
+                self.send_signal(sig, [local])
+        self.delivered_after_hold.append({"signals": names, "ranks": self._global(expired), "held_s": round(held_s, 1), "at": time.time()})
 
     def _stopped_before_ready(self, codes: Sequence[int | None]) -> bool:
         """True when every rank died of a stop signal this launcher had recorded while the rank was
@@ -219,6 +239,14 @@ class RankGroup:
         if not all(code is not None and code < 0 and -code in self._held_ever.get(local, ()) for local, code in enumerate(codes)):
             return False
         names = sorted({signal.Signals(-code).name for code in codes if code is not None})
+        if self.delivered_after_hold:  # a program without resilient_loop() may have trained: no claim about LATEST
+            waited = sorted({rank for event in self.delivered_after_hold for rank in event["ranks"]})
+            self._log(
+                f"ranks {list(self.ranks)} died of {', '.join(names)}, the stop signal this launcher was asked to pass on "
+                f"(ranks {waited} got it after it was held {self.hold_timeout_s:g} s for them: they never became ready): "
+                f"exit {int(ExitCode.PREEMPTED)} (preempted: requeue)"
+            )
+            return True
         self._log(
             f"ranks {list(self.ranks)} died of {', '.join(names)} before installing their handlers (the signal reached "
             "them directly too, e.g. sent to the whole process group): nothing trained since LATEST, which is "

@@ -32,6 +32,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 from resilience.env_names import COLLECTIVE_TIMEOUT_ENV, LAUNCHER_PID_ENV, PROGRESS_FILE_ENV, READY_DIR_ENV, RESTART_COUNT_ENV, STOP_FILE_ENV, TORCH
+from resilience.launch.held_stops import DEFAULT_HOLD_TIMEOUT_S
 from resilience.launch.ports import resolve_master_port
 from resilience.launch.rank_group import Log, RankGroup
 from resilience.launch.ready_dirs import make_ready_dir
@@ -64,6 +65,7 @@ def launch(
     log: Log | None = None,
     restart_count: int = 0,
     collective_timeout_s: float | None = None,
+    hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
 ) -> RankGroup:
     """Start ``nproc_per_node`` processes running ``cmd``, one per local rank.
 
@@ -82,6 +84,8 @@ def launch(
         restart_count: in-job restarts before this start (``RESILIENCE_RESTART_COUNT``, >= 0).
         collective_timeout_s: the ranks' ``RESILIENCE_COLLECTIVE_TIMEOUT_S`` (seconds > 0); not
             set when ``None``.
+        hold_timeout_s: see :class:`RankGroup` (seconds >= 0; ``inf`` holds a stop signal until
+            the rank is ready, however long).
 
     Ranks inherit stdin/stdout/stderr and the launcher's process group. Returns the
     :class:`RankGroup`; use it as a context manager so no rank outlives the caller. A rank that
@@ -101,6 +105,7 @@ def launch(
         raise ValueError(f"node_rank must be in 0..nnodes-1 = 0..{nnodes - 1}, got {node_rank}")
     failure_grace_s = _check_seconds("failure_grace_s", failure_grace_s)
     kill_grace_s = _check_seconds("kill_grace_s", kill_grace_s)
+    hold_timeout_s = _check_seconds("hold_timeout_s", hold_timeout_s)
     _check_int("restart_count", restart_count, 0)
     if collective_timeout_s is not None and not _check_seconds("collective_timeout_s", collective_timeout_s) > 0:
         raise ValueError(f"collective_timeout_s must be a number of seconds > 0, got {collective_timeout_s!r}")
@@ -150,4 +155,5 @@ def launch(
         log=log,
         ready_dir=ready_dir,
         stop_file=stop_file,
+        hold_timeout_s=hold_timeout_s,
     )

@@ -565,3 +565,56 @@ def test_ranks_that_crash_leave_no_temp_dir(tmp_path, cli):
     proc = cli("-n", "2", worker, env={"TMPDIR": str(tmp)})
     assert proc.wait(timeout=30) == 1, proc.stderr.read()
     assert _ready_dirs(tmp) == []
+
+
+# -- a stop signal for ranks that never get ready; what the operator is told ------------------
+
+# A Trainer-like program: two gloo ranks that train for 30 s without resilient_loop() and without
+# a handler of their own, so they never become ready for a stop signal.
+NO_LOOP_WORKER = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+out, rank = sys.argv[1], dist.get_rank()
+open(os.path.join(out, "up%d" % rank), "w").close()
+ends = time.monotonic() + 30
+while time.monotonic() < ends:
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.05)
+open(os.path.join(out, "done%d" % rank), "w").close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+def test_a_stop_signal_held_for_ranks_that_never_get_ready_is_delivered_after_the_hold_and_status_shows_it(tmp_path, cli, capsys):
+    """USR1 for ranks of a program without resilient_loop() was held forever: they trained to their end,
+    exited 0, and the preemption had no effect. After --signal-hold-timeout it is delivered (the default
+    action ends them), a warning names the ranks, and `resilience status` shows what happened."""
+    import argparse
+
+    from resilience.cli.run import add_arguments
+    from resilience.launch.held_stops import DEFAULT_HOLD_TIMEOUT_S
+
+    assert add_arguments(argparse.ArgumentParser()).parse_args(["-n", "1", "x.py"]).signal_hold_timeout == DEFAULT_HOLD_TIMEOUT_S < 300
+    ck = tmp_path / "ck"
+    worker = write_worker(tmp_path, NO_LOOP_WORKER)
+    launcher = cli("-n", "2", "--signal-hold-timeout", "1", "--checkpoint-dir", str(ck), worker, str(tmp_path), env={"OMP_NUM_THREADS": "1"})
+    wait_for([tmp_path / "up0", tmp_path / "up1"], timeout=40)
+    os.kill(launcher.pid, signal.SIGUSR1)
+    signalled = time.monotonic()
+    rc, stderr = finish(launcher)
+    assert time.monotonic() - signalled < 15, stderr
+    assert rc == 75, stderr
+    assert "SIGUSR1: ranks [0, 1] are not ready yet" in stderr
+    assert "warning: ranks [0, 1] never became ready" in stderr and "(--signal-hold-timeout): delivering it now" in stderr, stderr
+    assert not list(tmp_path.glob("done*")), "the ranks trained on to their end: the stop had no effect"
+
+    assert cli_main(["status", str(ck), "--json"]) == 0
+    held = json.loads(capsys.readouterr().out)["held_stop"]
+    assert held["signals"] == ["SIGUSR1"] and held["ranks"] == [0, 1] and held["exit_codes"] == [-10, -10] and held["exit_code"] == 75
+    assert 1 <= held["held_s"] < 10
+    assert cli_main(["status", str(ck)]) == 0
+    assert "Stop signal held by resilience run: SIGUSR1 held" in capsys.readouterr().out
