@@ -32,6 +32,7 @@ from resilience.checkpoint.policy.lowest_val import append_jsonl
 from resilience.config import ResilienceConfig, config_from_dict
 from resilience.distributed import DistContext, collective_timeout_s
 from resilience.exit_codes import ExitCode
+from resilience.failure_note import note_failure
 from resilience.metrics_log import training_row, truncate_logs
 from resilience.parent_death import die_with_launcher
 from resilience.progress import ProgressReporter
@@ -107,6 +108,7 @@ class ResilientLoop:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None:
             self.exit_code = ExitCode.FAILED
+            note_failure(exc)  # before close() leaves our group: resilience run names the rank that failed first
         self.close()
         return False
 
@@ -293,10 +295,10 @@ class ResilientLoop:
         self.checkpointer.wait()  # an asynchronous save must be published before we exit
         self.stop_step = step
         self.exit_code = ExitCode.PREEMPTED
+        saved_now = when != "before the first step"  # a later stop saved its step, or had just saved it
         if self.ctx.rank == 0 and self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
-            # A clean preemption, not a failed start (the requeue-loop guard counts them apart).
-            progress_guard.record_clean_stop(self.checkpointer.root, self.resumed_from.name if self.resumed_from else None)
-        if self.checkpointer.last_saved_step == step:
+            progress_guard.record_clean_stop(self.checkpointer.root, self.resumed_from.name if self.resumed_from else None, saved_new=saved_now)
+        if saved_now and self.checkpointer.last_saved_step == step:  # not the step resumed from
             saved = "checkpoint published"
         elif self.resumed_from is not None:
             saved = f"nothing new to save ({self.resumed_from.name} holds this state)"

@@ -274,7 +274,8 @@ class RankGroup:
             failed = [(local, code) for local, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 self._failed_at = now
-                local, code = self.first_failure = failed[0]
+                # of several seen at once, a death by a signal: the likelier cause of the others' errors
+                local, code = self.first_failure = min(failed, key=lambda item: item[1] >= 0)
                 # 75/76/77 are orderly stops (the others normally follow within moments); the
                 # grace and then SIGTERM still apply, so a peer stuck in a collective cannot hang us.
                 if code in _ORDERLY_STOPS:

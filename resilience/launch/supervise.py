@@ -16,6 +16,7 @@ import dataclasses
 import signal
 
 from resilience.exit_codes import ExitCode
+from resilience.failure_note import read_failure
 from resilience.launch.exit_status import describe_code
 from resilience.launch.forwarding import RecordedSignals, forward
 from resilience.launch.node_faults import NodeFaults
@@ -83,11 +84,27 @@ def supervise(group: RankGroup, recorded: RecordedSignals, timeout: ProgressTime
     codes = [proc.returncode for proc in group.procs]
     if received or (len(set(codes)) == 1 and codes[0] in ORDERLY_CODES):
         return Outcome(code, codes)
-    # exited in the same poll: a death by a signal is the likelier cause of the others' errors
-    local, first = group.first_failure or min(((local, c) for local, c in enumerate(codes) if c != 0), key=lambda item: item[1] >= 0)
-    outcome = Outcome(code, codes, f"rank {group.ranks[local]} exited with {describe_code(first)}", infrastructure=_killed(first, watchdog))
+    local, first, why = _first_failed(group, codes)
+    outcome = Outcome(code, codes, f"rank {group.ranks[local]} exited with {describe_code(first)}{why}", infrastructure=_killed(first, watchdog))
     _share(nodes, outcome.fault, outcome.infrastructure, log)
     return outcome
+
+
+def _first_failed(group: RankGroup, codes: list[int]) -> tuple[int, int, str]:
+    """(local rank, its code, ``" (why)"`` or ``""``) of the rank that failed first. A death by a
+    signal seen first (or, with every rank seen gone at once, any such death) is the likelier cause
+    of the others' errors: a killed rank leaves no note. Else the earliest failure note
+    (:mod:`resilience.failure_note`) decides, with its error as the why: a rank that ran out of
+    memory may take longer to exit than the peers that failed because it left."""
+    local, code = group.first_failure or min(((local, c) for local, c in enumerate(codes) if c != 0), key=lambda item: item[1] >= 0)
+    if code < 0 or group.ready_dir is None:
+        return local, code, ""
+    notes = {other: read_failure(group.ready_dir, group.ranks[other]) for other, c in enumerate(codes) if c != 0}
+    noted = {other: note for other, note in notes.items() if note is not None}
+    if not noted:
+        return local, code, ""
+    local = min(noted, key=lambda other: noted[other].t)
+    return local, codes[local], f" ({noted[local].error})"
 
 
 def _killed(code: int, watchdog: Watchdog) -> bool:

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 
 from resilience.launch.rank_group import RankGroup
-from resilience.progress import Report, progress_file, read_report
+from resilience.progress import MIN_INTERVAL_S, Report, progress_file, read_report
 
 AUTO = "auto"
 AUTO_FACTOR = 5.0
@@ -119,7 +119,11 @@ class Stall:
         if self.report is None:
             doing = "before its first progress report (starting)"
         elif self.report.phase == "step":
-            doing = f"training (last reported step: {self.report.step})"
+            # steps are reported at most every MIN_INTERVAL_S: the rank may be several steps further
+            doing = (
+                f"training after step {self.report.step} (the last step it reported: it reports at most every "
+                f"{MIN_INTERVAL_S:g} s, so later steps may have finished too)"
+            )
         else:
             doing = f"{self.report.phase} (last reported step: {self.report.step})"
         state = " and is stopped (SIGSTOP?)" if self.stopped else ""

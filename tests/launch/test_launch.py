@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -585,6 +586,7 @@ while time.monotonic() < ends:
 open(os.path.join(out, "done%d" % rank), "w").close()
 dist.destroy_process_group()
 """
+TINY = Path(__file__).resolve().parents[1] / "helpers" / "tiny_train.py"
 
 
 @pytest.mark.multiproc
@@ -618,3 +620,76 @@ def test_a_stop_signal_held_for_ranks_that_never_get_ready_is_delivered_after_th
     assert 1 <= held["held_s"] < 10
     assert cli_main(["status", str(ck)]) == 0
     assert "Stop signal held by resilience run: SIGUSR1 held" in capsys.readouterr().out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_the_summary_names_the_rank_that_failed_first_and_why_when_the_launcher_sees_every_exit_at_once(tmp_path, cli):
+    """Rank 1 raises (as on running out of memory); rank 0 fails in its collective because rank 1 left.
+    A launcher that sees both exits in one look (a loaded node: here it is stopped meanwhile) blamed
+    rank 0, the first of equal codes; the ranks' failure notes say which failed first, and why."""
+    pids = tmp_path / "pids"
+    env = {"RAISE_AT_STEP": "8", "RAISE_RANK": "1", "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": ""}
+    launcher = cli("-n", "2", "--pid-file", str(pids), str(TINY), str(tmp_path / "ck"), env=env)
+    wait_for([pids])
+    os.kill(launcher.pid, signal.SIGSTOP)
+    try:
+        ranks = [pid for name, pid in read_pid_file(pids).items() if name.startswith("rank")]
+        deadline = time.monotonic() + 60
+        while any(is_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.kill(launcher.pid, signal.SIGCONT)
+    rc, stderr = finish(launcher, timeout=30)
+    assert rc == 1, stderr
+    summary = "rank 1 exited with code 1 (RuntimeError: injected exception in step 8 on rank 1); ranks exited with [1, 1]; exit code 1"
+    assert summary in stderr, stderr
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(90)
+def test_a_stall_message_says_the_rank_may_be_past_its_last_reported_step(tmp_path, cli):
+    """Steps of a few ms are reported every 0.5 s: the message said "last reported step: 20" while the
+    ranks were in step 30. It now says the rank is after that step and that later ones go unreported."""
+    env = {"FAULTS": "hang@30", "FAULT_RANK": "1", "FAULT_DIR": str(tmp_path), "SLEEP_PER_STEP_S": "0.02", "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": ""}
+    launcher = cli("-n", "2", "--progress-timeout", "4", "--kill-grace", "1", str(TINY), str(tmp_path / "ck"), env=env)
+    rc, stderr = finish(launcher, timeout=80)
+    assert rc == 75, stderr
+    unreported = r"\(the last step it reported: it reports at most every 0\.5 s, so later steps may have finished too\)"
+    stall = re.search(r"made no progress for [\d.]+ s while training after step (\d+) " + unreported, stderr)
+    assert stall is not None, stderr
+    assert int(stall.group(1)) <= 30  # rank 1 hangs in step 30, rank 0 waits for it in step 31
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_status_and_the_stop_message_tell_a_start_that_saved_from_one_preempted_before_saving(tmp_path, cli, capsys):
+    """A start that saved steps 5 and 10 and was then preempted was shown as "preempted cleanly before
+    saving anything new"; a stop before the first step after a resume said "checkpoint published"."""
+    ck = tmp_path / "ck"
+    env = {"SLEEP_PER_STEP_S": "0.05", "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": ""}
+    args = ("-n", "2", "--pid-file", str(tmp_path / "pids"), str(TINY), str(ck), "step_scheduler.ckpt_every_steps=5", "step_scheduler.num_epochs=10")
+    first = cli(*args, env=env)
+    deadline = time.monotonic() + 60
+    while not ((ck / "LATEST").is_symlink() and int(os.readlink(ck / "LATEST").rsplit("_", 1)[1]) >= 10) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGUSR1)
+    rc, stderr = finish(first, timeout=60)
+    assert rc == 75, stderr
+    assert "checkpoint published" in stderr
+    latest = os.readlink(ck / "LATEST")
+    assert cli_main(["status", str(ck), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["restart_guard"] is None  # a new checkpoint: nothing counted against it
+    assert cli_main(["status", str(ck)]) == 0
+    assert "preempted cleanly before saving anything new" not in capsys.readouterr().out
+
+    (tmp_path / "pids").unlink()
+    second = cli(*args, env=env)
+    wait_for([tmp_path / "pids"])
+    os.kill(second.pid, signal.SIGUSR1)  # the ranks are starting: held, they read the stop file when ready
+    rc, stderr = finish(second, timeout=60)
+    assert rc == 75, stderr
+    assert "stop before the first step" in stderr and f"nothing new to save ({latest} holds this state)" in stderr, stderr
+    assert "checkpoint published" not in stderr
+    assert cli_main(["status", str(ck)]) == 0
+    assert f"starts in a row from {latest}: 1 (failed: 0, limit 3; preempted cleanly before saving anything new: 1" in capsys.readouterr().out

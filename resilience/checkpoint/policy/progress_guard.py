@@ -122,10 +122,14 @@ def count_start(root: Path, resume_point: str | None) -> dict[str, Any]:
     return doc
 
 
-def record_clean_stop(root: Path, resume_point: str | None) -> None:
+def record_clean_stop(root: Path, resume_point: str | None, *, saved_new: bool = False) -> None:
     """Rank 0, once a stop was agreed and its checkpoint (if any) published: this start from
     ``resume_point`` ended as a clean preemption (exit 75), not a failure. A start that saved a
-    new checkpoint is forgotten anyway: the next one begins from that."""
+    new checkpoint (``saved_new``) is not one "preempted before saving anything new": the count
+    is removed, and the next start, from that checkpoint, begins a new one."""
+    if saved_new:
+        reset(root)
+        return
     doc = read(root)
     if doc is None or doc["resume_point"] != resume_point or not doc["running"]:
         return
@@ -150,7 +154,7 @@ def verdict(failed: int, preempted: int, limit: int | None, preemption_limit: in
 
 
 def reset(root: Path) -> None:
-    """Forget the count (training finished)."""
+    """Forget the count (training finished, or a clean stop after a new checkpoint)."""
     try:
         (root / STARTS_FILE).unlink()
     except FileNotFoundError:
