@@ -104,7 +104,11 @@ def load_state(
     if source is None:  # another number of replicas: the same global batches consumed; the new ranks replay the epoch's order
         if not resized:
             log.warning("rank %d: %s was saved under another data-parallel layout: the epoch's order is replayed", rank, directory.name)
-        data_position = {"batches_in_epoch": step_state["batches_in_epoch"], "loader": None}
+        # the order is replayed from the epoch's start: keep what that start drew from (a saved rank's
+        # epoch_rng / generators; ranks seed alike), or a shuffle without set_epoch would draw anew
+        peer = directory / dataloader_rank_file(rank % saved_world)
+        start = {k: v for k, v in (read_data_position(peer) if peer.exists() else {}).items() if k.startswith("epoch_")}
+        data_position = {**start, "batches_in_epoch": step_state["batches_in_epoch"], "loader": None}
     else:  # a rank of the same replica (the ranks of a replica hold the same position)
         data_file = directory / dataloader_rank_file(source)
         data_position = read_data_position(data_file) if data_file.exists() else None

@@ -18,6 +18,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from resilience.config.checks import ConfigError
 from resilience.config.step_scheduler import StepSchedulerConfig
 from resilience.distributed import DistContext
@@ -130,6 +132,7 @@ def continue_with_batch_size(
         BatchSizeChangeRefused: the consumed samples are not a whole number of new batches, or the
             loader is stateful, its state does not count samples and its order cannot be replayed.
     """
+    _check_replayable(data_position, loader, checkpoint)
     old = meta.get("global_batch_size")
     if old is None or new is None:
         if old is not None and new is None:
@@ -198,3 +201,21 @@ def _counts_samples(loader_state: Any) -> bool:
     ``samples_yielded``, which a loader of another batch size resumes from sample for sample."""
     inner = loader_state.get("_sampler_iter_state") if isinstance(loader_state, dict) else None
     return isinstance(inner, dict) and isinstance(inner.get("samples_yielded"), int)
+
+
+def _check_replayable(data_position: dict[str, Any] | None, loader: Any, checkpoint: str) -> None:
+    """Refuse to replay (another data-parallel layout) a stateful loader's epoch mid-way whose order cannot be
+    drawn again: its own state is not used, its sampler has no ``set_epoch``, and its epoch's start RNG was not
+    saved (a loader with its own state does not need it otherwise)."""
+    if data_position is None or data_position.get("loader") is not None or not data_position.get("batches_in_epoch"):
+        return
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, torch.utils.data.SequentialSampler) or not is_stateful(loader) or epoch_setter(loader) is not None:
+        return
+    if data_position.get("epoch_rng") is None:
+        raise BatchSizeChangeRefused(
+            f"{checkpoint} was saved under another data-parallel layout, and this loader's epoch is replayed from its start, "
+            f"but its sampler ({type(sampler).__name__}) has no set_epoch and the order it drew cannot be drawn again: resuming "
+            "would train other samples than the ones left. Resume under the saved layout, from a checkpoint at an epoch's end, "
+            "or use a sampler with set_epoch (DistributedSampler)"
+        )

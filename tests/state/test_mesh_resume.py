@@ -122,3 +122,32 @@ def test_a_rank_continues_the_data_position_of_a_saved_rank_of_its_replica_or_re
     assert [position_rank([0, 0], 2, two, r) for r in (0, 1)] == [None, None]  # TP x2 -> FSDP2 x2: replayed
     assert [position_rank([0, 1], 2, DataParallel((0, 0)), r) for r in (0, 1)] == [None, None]  # FSDP2 x2 -> TP x2
     assert [position_rank(None, 2, two, r) for r in (0, 1)] == [0, 1]  # an older checkpoint: every rank its own
+
+
+def test_a_stateful_loader_replayed_under_another_layout_is_refused_when_its_shuffle_cannot_be_drawn_again():
+    """Another replica count replays the epoch from its start; a StatefulDataLoader(shuffle=True) keeps no
+    epoch-start RNG and has no set_epoch, so the replay would draw another order and train other samples
+    than the ones left, silently. A DistributedSampler (set_epoch) or a sequential order replays exactly."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from resilience.state.batch_size import BatchSizeChangeRefused, continue_with_batch_size
+
+    steps = {"epoch": 0, "batches_in_epoch": 3, "global_step": 3}
+    replay = {"batches_in_epoch": 3, "loader": None}
+    meta = {"global_batch_size": 8}
+    data = list(range(32))
+    with pytest.raises(BatchSizeChangeRefused, match="no set_epoch"):
+        continue_with_batch_size(steps, replay, meta, 8, loader=StatefulDataLoader(data, batch_size=4, shuffle=True), checkpoint="ck", configured=False)
+    for loader in (
+        StatefulDataLoader(data, batch_size=4),
+        StatefulDataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=0)),
+        DataLoader(data, batch_size=4, shuffle=True),  # no own state: its epoch_rng is saved (and carried over)
+    ):
+        assert continue_with_batch_size(steps, replay, meta, 8, loader=loader, checkpoint="ck", configured=False) == (steps, replay)
+    at_start = {"batches_in_epoch": 0, "loader": None}
+    assert (
+        continue_with_batch_size(
+            steps | {"batches_in_epoch": 0}, at_start, meta, 8, loader=StatefulDataLoader(data, batch_size=4, shuffle=True), checkpoint="ck", configured=False
+        )[1]
+        == at_start
+    )
