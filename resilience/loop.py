@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,7 @@ class ResilientLoop:
             run_id=run_id_from_env(),
         )
         self.exit_code: ExitCode | None = None
-        """Set when the loop ends: DONE, PREEMPTED (a checkpoint of the stop step is published), FAILED,
-        NO_PROGRESS, or CONFIG_ERROR (a batch-size change at resume that cannot continue exactly)."""
+        """Set at the end: DONE, PREEMPTED (the stop step's checkpoint published), FAILED, NO_PROGRESS, or CONFIG_ERROR (exit 2)."""
         self.resumed_from: Path | None = None
         self.stop_step: int | None = None
         """The agreed stop step when preempted (every rank has the same)."""
@@ -92,6 +92,8 @@ class ResilientLoop:
         self._pending: Any = lambda: 0  # this rank's stop flag (signals recorded or a stop file)
         self._stop_agreed_in_step = False  # should_stop() agreed a stop inside a step's body
         self._deadline = Deadline(config, self.ctx.rank, self.timer)
+        self._auto_cadence = config.step_scheduler.agreement_every_steps == "auto"
+        self._ended_by: BaseException | None = None  # the exception that ended the steps, if any
         # Slurm signals every process of a step: the loader's workers must outlive the save.
         shield_dataloader_workers(state.dataloader, config.step_scheduler.signals)
 
@@ -115,13 +117,14 @@ class ResilientLoop:
     def close(self) -> None:
         """End the loop early: restores signal handlers and drains the agreement (no save). Left
         before its end (``break``, an exception), it exits ``FAILED`` (1); stop early with ``max_steps``."""
-        step = self._current_step()
+        step, pending = self._current_step(), sys.exc_info()[1]  # close() in a finally: what is ending the program
         if self._generator is not None:
             self._generator.close()
         self.progress.close()  # never iterated: the watchdog must not wait for its first step
         if self.exit_code is None:
             self.exit_code = ExitCode.FAILED
-            log.warning("resilient_loop: left at step %d before it ended (break, an exception, or never iterated): exit code 1 (FAILED), no save", step)
+            how = "interrupted by Ctrl-C" if KeyboardInterrupt in (type(self._ended_by), type(pending)) else "left"
+            log.warning("resilient_loop: %s at step %d before it ended (break, an exception, never iterated): exit 1 (FAILED), no save since", how, step)
 
     def log(self, **metrics: Any) -> None:
         """Record metrics of the current step (rank 0 appends them to ``training.jsonl``; the rows
@@ -195,6 +198,7 @@ class ResilientLoop:
                     yield from self._steps(restored, agreement)
                 finally:
                     if self.exit_code is None:  # an exception: let a save in flight finish, quietly
+                        self._ended_by = sys.exc_info()[1]
                         try:
                             self.checkpointer.close()
                         except Exception as exc:  # noqa: BLE001 - the original error matters more
@@ -270,10 +274,6 @@ class ResilientLoop:
         """STOP_DEADLINE on rank 0 once the time left no longer covers a stop (see resilience.stop.deadline)."""
         return STOP_DEADLINE if self._deadline.must_stop(self._cadence()) else 0
 
-    @property
-    def _auto_cadence(self) -> bool:
-        return self.config.step_scheduler.agreement_every_steps == "auto"
-
     def _cadence(self) -> int:
         """The agreement's cadence in steps now (``auto``: what it has adapted to so far)."""
         if self._agreement is not None:
@@ -283,9 +283,7 @@ class ResilientLoop:
     def _proposed_cadence(self) -> int:
         """``auto`` on rank 0: the steps that take ``agreement_interval_s``, from the measured step
         time (0 = no proposal: not auto, not rank 0, or no step time yet)."""
-        if not self._auto_cadence or self.ctx.rank != 0:
-            return 0
-        return auto_cadence(self.timer.step_s, self.config.step_scheduler.agreement_interval_s)
+        return auto_cadence(self.timer.step_s, self.config.step_scheduler.agreement_interval_s) if self._auto_cadence and self.ctx.rank == 0 else 0
 
     def _stop(self, step: int, when: str, *, save: bool) -> None:
         """Every rank stops at ``step``: save it (unless already saved), publish, exit PREEMPTED."""
@@ -298,17 +296,13 @@ class ResilientLoop:
         saved_now = when != "before the first step"  # a later stop saved its step, or had just saved it
         if self.ctx.rank == 0 and self.config.checkpoint.enabled and self.config.checkpoint.enable_save:
             progress_guard.record_clean_stop(self.checkpointer.root, self.resumed_from.name if self.resumed_from else None, saved_new=saved_now)
-        if saved_now and self.checkpointer.last_saved_step == step:  # not the step resumed from
-            saved = "checkpoint published"
-        elif self.resumed_from is not None:
-            saved = f"nothing new to save ({self.resumed_from.name} holds this state)"
-        else:
-            saved = "no checkpoint yet (nothing trained)"
+        fresh = saved_now and self.checkpointer.last_saved_step == step  # not the step resumed from
+        held = f"nothing new to save ({self.resumed_from.name} holds this state)" if self.resumed_from else "no checkpoint yet (nothing trained)"
+        saved = "checkpoint published" if fresh else held
         log.warning("rank %d: stop %s at step %d (agreement every %d step(s)); %s, exiting for requeue", self.ctx.rank, when, step, self._cadence(), saved)
 
     def heartbeat(self) -> None:
-        """Tell ``resilience run``'s watchdog this rank still works inside a long step's body (an evaluation), so
-        ranks waiting for it in a collective are not hung; no collective, one small write per 0.5 s at most (so does :meth:`should_stop`)."""
+        """Tell ``resilience run``'s watchdog this rank works in a long step body (eval): peers waiting on it are not hung (no collective)."""
         self.progress.heartbeat()
 
     def should_stop(self) -> bool:

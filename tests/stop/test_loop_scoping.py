@@ -220,6 +220,21 @@ def test_a_break_out_of_the_loop_exits_failed_and_says_so(tmp_path, caplog):
     assert "left at step 3 before it ended (break" in caplog.text and "no save" in caplog.text
 
 
+def test_a_ctrl_c_that_ends_the_steps_is_named_as_such_when_the_loop_is_closed(tmp_path, caplog):
+    """Closed in a finally (or after a Ctrl-C held through a save), close() said 'break, an exception, or never iterated'."""
+    loop, model, optimizer = make_loop(tmp_path / "ck", num_epochs=2)
+    with caplog.at_level(logging.WARNING, logger="resilience"), pytest.raises(KeyboardInterrupt):
+        try:
+            for step in loop:
+                train_step(model, optimizer, step.batch)
+                if step.global_step == 2:
+                    raise KeyboardInterrupt
+        finally:
+            loop.close()
+    assert loop.exit_code == ExitCode.FAILED
+    assert "interrupted by Ctrl-C at step 2 before it ended" in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize(
     "every, expected",
     [
