@@ -32,9 +32,11 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest
 
-# Twice: on the machine as it is, then beside one CPU-busy process (bench/results/latest.json: loaded.*).
+# Twice: on the machine as it is, then beside one CPU-busy process (bench/results/latest.json: loaded.*);
+# then the save and resume at 8 to 8,192 simulated ranks (bench/results/scale.json, ~30 min, at low priority).
 bench: $(STAMP)
 	$(PY) -m bench --load
+	nice -n 19 $(PY) -m bench.scale
 
 clean:
 	rm -rf $(VENV) runs

@@ -253,3 +253,51 @@ def test_load_only_pass_beside_a_busy_process_adds_loaded_keys_and_keeps_the_qui
     assert doc[LOADED_PREFIX + "save_vs_disk"]["error"] == "skipped"
     neighbour = doc["meta"]["loaded"]["neighbour"]
     assert neighbour["cpu_s"] > 0 and neighbour["wall_s"] > 0  # the busy process really ran
+
+
+def test_fast_balance_gives_the_same_owners_as_the_library_balance():
+    import random
+
+    from bench.scale.resume import fast_balance
+    from resilience.checkpoint.balance import balance
+
+    rng = random.Random(7)
+    for ranks in (1, 2, 7, 64):
+        sizes = {f"f{i}": rng.choice([0, 1, 5, 5, 1 << 20, rng.randrange(1 << 30)]) for i in range(300)}
+        assert fast_balance(sizes, ranks) == balance(sizes, ranks)
+
+
+@pytest.mark.timeout(400)
+def test_quick_scale_bench_writes_every_figure_per_mode_and_rank_count_with_consistent_bytes(tmp_path):
+    from bench.scale.figures import KEYS
+    from bench.scale.llama import state_bytes
+
+    out = tmp_path / "scale.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.scale", "--quick", "--dir", str(tmp_path / "work"), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=390,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    assert any(line.startswith("| fsdp2 | 64 |") for line in proc.stdout.splitlines()), proc.stdout
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"ddp", "fsdp2"} and all(set(cells) == {"8", "64"} for cells in doc.values())
+    total = sum(state_bytes().values())  # 27 GB of weights + 54 GB of moments
+    for mode, cells in doc.items():
+        for n, fig in cells.items():
+            where, n = f"{mode} N={n}", int(n)
+            assert set(KEYS) <= set(fig) and fig["lower_bound"] == [] and "incomplete" not in fig, (where, fig)
+            for key in KEYS:
+                assert isinstance(fig[key], (int, float)) and fig[key] > 0, (where, key, fig[key])
+            # every rank writes about 1/N of the state; the resume reads at least the rank's share
+            assert total / n * 0.5 < fig["own_file_bytes"] < total / n * 1.6, (where, fig["own_file_bytes"])
+            assert fig["replicated_bytes"] <= fig["resume_read_bytes_per_rank"]
+            assert fig["index_bytes_per_rank"] < fig["resume_read_bytes_per_rank"]  # at 8 and 64 ranks the data outweighs the indexes
+            assert fig["rank0_meta_ops"] >= fig["files"]  # retention removes the previous checkpoint file by file
+            assert fig["rank0_resume_meta_ops"] >= fig["files"]  # validation stats every file
+            assert fig["files"] >= 2 * n  # RNG and data position of every rank at least
+    # DDP: every rank reads every model and optimizer file (N x read amplification); FSDP2: about its share
+    assert doc["ddp"]["64"]["replicated_bytes"] > 0.95 * total
+    assert doc["fsdp2"]["64"]["resume_read_bytes_per_rank"] < 4 * total / 64

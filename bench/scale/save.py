@@ -1,0 +1,189 @@
+"""One save as one simulated rank runs it, through the library's own save path.
+
+For rank q (0, then r) of N: :func:`~resilience.checkpoint.parts.checkpoint_parts` (the training
+thread's part: torch's state dicts, the optimizer's capture and its replicated-or-sharded gather,
+the model plan and its gather, the rank-0 records, RNG, data position), then
+:func:`~resilience.checkpoint.writer.write_checkpoint` (staging, every part run as it runs in a
+save, the records all-gather), and on rank 0 :func:`~resilience.checkpoint.writer.publish`, then
+``LOWEST_VAL`` and retention as ``Checkpointer._after_publish`` calls them, then the verdict.
+That is ``Checkpointer._write``'s sequence; ``Checkpointer.save`` itself is not used because
+building a ``Checkpointer`` runs the start-up checks (a whole extra model plan for a sharded model).
+
+The other ranks' files are made while rank 0's records are gathered (:class:`PeerFiles`), by the
+library's own per-rank writers called with rank q's inputs: ``shard_files.write_rank_files`` with
+rank q's share of the plan, ``optim_files.save`` for rank q, DCP's data file from rank q's central
+plan, ``parts._write_rng`` and ``parts._write_text``. Before rank 0 publishes, an older checkpoint
+of the same files (hard links) is put in place with ``LATEST`` on it, so that retention
+(``max_recent_checkpoints: 1``) removes a real checkpoint of N ranks, as it does at every save
+of a long run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from bench.scale.probe import PROBE
+from bench.scale.sim import Cell, SimContext
+from resilience.checkpoint import parts as ckpt_parts
+from resilience.checkpoint import writer
+from resilience.checkpoint.formats import optim_files, shard_files
+from resilience.checkpoint.formats.pieces import Plan
+from resilience.checkpoint.layout import LATEST, OPTIM_DIR, STAGING_PREFIX, checkpoint_name, dataloader_rank_file
+from resilience.checkpoint.policy import retention
+from resilience.checkpoint.policy.lowest_val import LowestVal
+from resilience.checkpoint.storage.durable import FileRecord, record
+from resilience.checkpoint.storage.manifest import write_manifest
+from resilience.checkpoint.storage.pointers import write_pointer
+from resilience.config import CheckpointConfig
+from resilience.state.step_scheduler import StepScheduler
+from resilience.state.training_state import TrainingState
+
+STEP, PREVIOUS_STEP = 200, 100
+GLOBAL_BATCH = 4
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainingState:
+    """The registered state: the model, its optimizer and a data loader (its position is saved per rank)."""
+    return TrainingState(model=model, optimizer=optimizer, dataloader=DataLoader(list(range(4096)), batch_size=GLOBAL_BATCH))
+
+
+def scheduler() -> StepScheduler:
+    """The counters at the save: step 200 of epoch 0."""
+    return StepScheduler(num_epochs=1, epoch=0, batches_in_epoch=STEP, global_step=STEP)
+
+
+def manifest_meta(world_size: int, step: int, parent: dict[str, Any] | None, optimizer_saved: bool = True) -> dict[str, Any]:
+    """The manifest's ``meta`` as ``Checkpointer.save`` builds it."""
+    return {
+        "epoch": 0,
+        "global_step": step,
+        "world_size": world_size,
+        "reason": "periodic",
+        "saved_at": time.time(),
+        "run_id": "scale-bench",
+        "torch_version": torch.__version__,
+        "global_batch_size": GLOBAL_BATCH * world_size,
+        "gradient_accumulation_steps": 1,
+        "epoch_complete": False,
+        "optimizer_saved": optimizer_saved,
+        "is_async": False,
+        "timings": {},
+        "checkpoint_id": uuid.uuid4().hex,
+        "parent": parent,
+    }
+
+
+class PeerFiles:
+    """Rank q's files of the save, made in the staging directory by the library's own writers
+    from the inputs rank 0's run captured (``keep``: the spied calls' arguments)."""
+
+    def __init__(self, cell: Cell, staging: Path, keep: dict[str, Any], parts: list[Any]):
+        self.cell, self.staging, self.keep = cell, staging, keep
+        self.by_part = {part.name: part for part in parts}
+        self._shares: dict[int, Plan] | None = None
+        self._inputs: dict[str, Any] | None = None
+
+    def __call__(self, q: int) -> list[FileRecord]:
+        if self._inputs is None:  # rank 0's own calls, before any peer's overwrites them
+            self._inputs = {label: self.keep[label][0] for label in ("shard_files.write_rank_files", "optim_files.save") if label in self.keep}
+        model_dir, state, plan, index, _ = self._inputs["shard_files.write_rank_files"]
+        if self.cell.mode == "ddp":
+            records = shard_files.write_rank_files(model_dir, state, plan, index, q)  # every rank holds every tensor
+            _, tensors, skeleton, _ = self._inputs["optim_files.save"]
+            records += optim_files.save(self.staging, tensors, skeleton, q)
+        else:
+            share = self._share(plan, q)
+            local = {key: torch.empty(info["pieces"][0]["shape"], dtype=getattr(torch, info["dtype"])) for key, info in share.tensors.items()}
+            records = shard_files.write_rank_files(model_dir, local, share, index, q)
+            records += [rec.under(OPTIM_DIR) for rec in self.cell.dcp_peer_records.pop(q, [])]  # none without a DCP optimizer
+        _, captured = self.by_part["rng"].args
+        rels = ckpt_parts._write_rng(self.staging, q, captured)
+        _, text = self.by_part["dataloader"].args
+        rels += ckpt_parts._write_text(self.staging, dataloader_rank_file(q), text)
+        return records + [record(self.staging, rel) for rel in rels]
+
+    def _share(self, plan: Plan, q: int) -> Plan:
+        """Rank q's pieces of a sharded plan (one pass over the plan for all ranks)."""
+        if self._shares is None:
+            shares: dict[int, dict[str, dict[str, Any]]] = {}
+            for key, info in plan.tensors.items():
+                for piece in info["pieces"]:
+                    entry = shares.setdefault(piece["rank"], {}).setdefault(key, {"shape": info["shape"], "dtype": info["dtype"], "pieces": []})
+                    entry["pieces"].append(piece)
+            self._shares = {rank: Plan(tensors, plan.world_size) for rank, tensors in shares.items()}
+        return self._shares.get(q, Plan({}, plan.world_size))
+
+
+def simulate_save(cell: Cell, rank: int, state: TrainingState, root: Path, keep: dict[str, Any]) -> dict[str, Any]:
+    """Rank ``rank``'s save (rank 0 first: it publishes); returns its measurements."""
+    PROBE.reset()
+    cell.begin(rank, "save")
+    ctx = SimContext(cell)
+    name = checkpoint_name(0, STEP)
+    staging = root / f"{STAGING_PREFIX}{name}"
+    config = CheckpointConfig(checkpoint_dir=str(root))
+    cell.dcp_target = staging / OPTIM_DIR
+    if rank != 0:
+        staging.mkdir(parents=True, exist_ok=True)  # rank 0 made it: this rank only writes into it
+    out: dict[str, Any] = {}
+    with PROBE.measure() as out["parts"]:
+        parts = ckpt_parts.checkpoint_parts(
+            state,
+            scheduler(),
+            reason="periodic",
+            config=config,
+            ctx=ctx,
+            group=None,
+            root=root,
+            buffers=None,
+            run_config={},
+            global_batch_size=GLOBAL_BATCH * cell.world_size,
+            training_rows=[],
+            validation={},
+        )
+    if rank == 0:
+        cell.peer_records = PeerFiles(cell, staging, keep, parts)
+    with PROBE.measure() as out["write"]:
+        records = writer.write_checkpoint(ctx, root, name, parts)
+    out["own_file_bytes"] = sum(rec.size for rec in cell.own_records)
+    if rank == 0:
+        with PROBE.excluded():
+            parent = _previous_checkpoint(root, staging, records, cell.world_size)
+            meta = manifest_meta(cell.world_size, STEP, parent, optimizer_saved=state.optimizer is not None)
+        with PROBE.measure() as out["publish"]:
+            final = writer.publish(root, name, records, meta)
+        with PROBE.measure() as out["retention"]:
+            LowestVal(root).consider(final, None)
+            retention.prune(root, 1, current=final)
+        out["files"] = len(records)
+    with PROBE.measure() as out["verdict"]:
+        writer.raise_publish_verdict(ctx, name, None)
+    if rank != 0:
+        shutil.rmtree(staging)
+    out["functions"] = dict(PROBE.functions)
+    out["lower_bounds"] = dict(PROBE.lower_bounds)
+    out["received"] = dict(PROBE.received)
+    return out
+
+
+def _previous_checkpoint(root: Path, staging: Path, records: list[FileRecord], world_size: int) -> dict[str, Any]:
+    """An older checkpoint of the same files (hard links) with ``LATEST`` on it: the one this save's
+    retention removes. Returns its ``parent`` entry for the new manifest."""
+    previous = root / checkpoint_name(0, PREVIOUS_STEP)
+    for dirpath, _, files in os.walk(staging):
+        target = previous / Path(dirpath).relative_to(staging)
+        target.mkdir(parents=True, exist_ok=True)
+        for file in files:
+            os.link(Path(dirpath) / file, target / file)
+    meta = manifest_meta(world_size, PREVIOUS_STEP, None)
+    write_manifest(previous, records, meta)
+    write_pointer(root, LATEST, previous)
+    return {"name": previous.name, "checkpoint_id": meta["checkpoint_id"]}
