@@ -4,8 +4,8 @@ The launcher gives each rank a file (``RESILIENCE_PROGRESS_FILE``, in its handsh
 the loop writes one fixed-size JSON record into it, in place, with one ``pwrite`` (no collective,
 no fsync, no new file): at each phase change (starting, loading, step, saving, done) and at the
 end of the first step after a start (the watchdog's start-up limit ends there) at once, and at
-other step boundaries at most every :data:`MIN_INTERVAL_S` seconds, so a 10 ms step costs one
-``time.monotonic()`` call (vDSO, no syscall) on most boundaries. The record::
+other step boundaries at most every :data:`MIN_INTERVAL_S` seconds, so most boundaries cost one
+``time.monotonic()`` call (vDSO, no syscall) and the finished step's ``pwrite`` (below). The record::
 
     {"phase": "step", "step": 120, "t": 81234.5, "max_step_s": 0.031, "max_save_s": 0.4, "pid": 4242}
 
@@ -14,6 +14,12 @@ the launcher compares it with its own. ``max_step_s`` is the longest time betwee
 boundaries seen (no save in between; the first step after a start, warm-up included, counts),
 ``max_save_s`` the longest synchronous part of a save; the launcher's ``--progress-timeout auto``
 multiplies them by a safety factor.
+
+The record's ``step`` can be up to :data:`MIN_INTERVAL_S` of steps old, so the file also holds the
+last finished step at :data:`STEP_OFFSET`, right after the record (:data:`STEP_BYTES` of ASCII),
+rewritten with one ``pwrite`` at every step boundary (about 2 us; no JSON, no rename). The
+watchdog reads it (:func:`read_finished_step`) only to name the step of a rank it reports; it
+judges by the record alone.
 
 The rank also registers :data:`STACK_DUMP_SIGNAL` with :mod:`faulthandler`, so the launcher can
 have it print every thread's Python stack to its stderr (the job's output) when it stalls: the
@@ -39,6 +45,10 @@ MIN_INTERVAL_S = 0.5
 """Seconds between two step reports at least (phase changes are reported at once)."""
 RECORD_BYTES = 256
 """Every record is padded with spaces to this size, so a rewrite in place needs no truncation."""
+STEP_OFFSET = RECORD_BYTES
+"""Where the last finished step is kept, after the record (see the module docstring)."""
+STEP_BYTES = 21
+"""The finished step's width: 20 digits, space-padded, and a newline."""
 STACK_DUMP_SIGNAL = signal.SIGRTMIN + 4
 """The signal on which a rank prints its Python stacks (``faulthandler``). A real-time signal:
 nothing sends it by default, and the launcher forwards none of them, unlike USR1/USR2/TERM (the
@@ -99,6 +109,7 @@ class ProgressReporter:
         self._phase = phase
         if step is not None:
             self._step = step
+            self._write_step(step)
         now = self._clock()
         # a load or save is not part of a step's time; the step after one starts now
         self._last_boundary = now if phase == "step" else None
@@ -110,6 +121,7 @@ class ProgressReporter:
         record written still says none has finished: the watchdog would allow the start-up limit)."""
         if self._fd is None:
             return
+        self._write_step(global_step)
         now = self._clock()
         if self._last_boundary is not None and now - self._last_boundary > self.max_step_s:
             self.max_step_s = now - self._last_boundary
@@ -141,20 +153,32 @@ class ProgressReporter:
         if self._fd is None:
             return
         self.phase("done")
-        fd, self._fd = self._fd, None
-        os.close(fd)
+        if self._fd is not None:  # the last write may have failed and closed it
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def _write_step(self, step: int) -> None:
+        # at every step boundary: step() took 2.3 us a call with it, 0.2-0.4 us without (a loop of
+        # 100k calls, ext4, 2 loaded cores): 0.02 % of a 10 ms step
+        self._pwrite(b"%20d\n" % step, STEP_OFFSET)
 
     def _write(self, now: float) -> None:
         record = {"phase": self._phase, "step": self._step, "t": now, "max_step_s": self.max_step_s, "max_save_s": self.max_save_s, "pid": os.getpid()}
-        data = json.dumps(record).encode().ljust(RECORD_BYTES)
+        if self._pwrite(json.dumps(record).encode().ljust(RECORD_BYTES), 0):
+            self._last_write = now
+            self._written_step_s = self.max_step_s
+
+    def _pwrite(self, data: bytes, offset: int) -> bool:
+        """Write ``data`` at ``offset``; False (and reporting disabled) when it fails or is disabled."""
+        if self._fd is None:
+            return False
         try:
-            os.pwrite(self._fd, data, 0)  # type: ignore[arg-type]
+            os.pwrite(self._fd, data, offset)
         except OSError:
             fd, self._fd = self._fd, None
-            os.close(fd)  # type: ignore[arg-type]
-            return
-        self._last_write = now
-        self._written_step_s = self.max_step_s
+            os.close(fd)
+            return False
+        return True
 
 
 def progress_file(ready_dir: str | os.PathLike[str], rank: int) -> str:
@@ -191,3 +215,20 @@ def read_report(path: str) -> Report | None:
         return Report(str(doc["phase"]), int(doc["step"]), float(doc["t"]), float(doc["max_step_s"]), float(doc["max_save_s"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def read_finished_step(path: str) -> int | None:
+    """The last step the rank writing ``path`` finished (exact, unlike :attr:`Report.step`);
+    ``None`` when the file has none yet or cannot be read. The field is read until two reads agree,
+    so a rewrite that a read overlaps is not taken for a step."""
+    try:
+        with open(path, "rb") as fh:
+            previous = None
+            for _ in range(5):
+                field = os.pread(fh.fileno(), STEP_BYTES, STEP_OFFSET)
+                if field == previous:
+                    return int(field) if len(field) == STEP_BYTES else None
+                previous = field
+    except (OSError, ValueError):
+        return None
+    return None

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 
 from resilience.launch.rank_group import RankGroup
-from resilience.progress import MIN_INTERVAL_S, Report, progress_file, read_report
+from resilience.progress import Report, progress_file, read_finished_step, read_report
 
 AUTO = "auto"
 AUTO_FACTOR = 5.0
@@ -113,21 +113,25 @@ class Stall:
     limit_s: float
     stopped: bool
     """The process is stopped (SIGSTOP, SIGTSTP, a debugger), not running."""
+    finished_step: int | None = None
+    """The last step the rank finished (its exact step field), ``None`` when unknown."""
 
     def describe(self) -> str:
         """One line: which rank, what it was doing, for how long, and the limit."""
-        if self.report is None:
-            doing = "before its first progress report (starting)"
-        elif self.report.phase == "step":
-            # steps are reported at most every MIN_INTERVAL_S: the rank may be several steps further
-            doing = (
-                f"training after step {self.report.step} (the last step it reported: it reports at most every "
-                f"{MIN_INTERVAL_S:g} s, so later steps may have finished too)"
-            )
-        else:
-            doing = f"{self.report.phase} (last reported step: {self.report.step})"
+        doing = "before its first progress report (starting)" if self.report is None else doing_text(self.report, self.finished_step)
         state = " and is stopped (SIGSTOP?)" if self.stopped else ""
-        return f"rank {self.rank} (pid {self.pid}) made no progress for {self.silent_s:.1f} s while {doing}{state}; limit {self.limit_s:g} s"
+        return f"rank {self.rank} (pid {self.pid}) made no progress for {self.silent_s:.1f} s {doing}{state}; limit {self.limit_s:g} s"
+
+
+def doing_text(report: Report, finished_step: int | None) -> str:
+    """What a rank was doing: ``"in step 31 (step 30 was its last finished)"``, ``"while saving
+    (step 30 was its last finished)"``. ``finished_step``: its exact step field, else ``report.step``
+    (up to :data:`~resilience.progress.MIN_INTERVAL_S` of steps old) is all there is."""
+    step = report.step if finished_step is None else finished_step
+    finished = f"step {step} was its last finished" if step > 0 else "no step finished yet"
+    if report.phase == "step":
+        return f"in step {step + 1} ({finished})"
+    return f"after its loop ended ({finished})" if report.phase == "done" else f"while {report.phase} ({finished})"
 
 
 def is_stopped(pid: int) -> bool:
@@ -179,7 +183,8 @@ class Watchdog:
                 stalls.append(Stall(local, self.group.ranks[local], pid, report, silent, limit, is_stopped(pid)))
         if len(stalls) < watched:  # a rank still within its limit: the silent ones may be waiting for it
             stalls = [stall for stall in stalls if stall.stopped]
-        return max(stalls, key=lambda stall: (stall.stopped, stall.silent_s), default=None)
+        stall = max(stalls, key=lambda stall: (stall.stopped, stall.silent_s), default=None)
+        return None if stall is None else dataclasses.replace(stall, finished_step=self.finished_step(stall.local))
 
     def read(self) -> dict[int, Report]:
         """Read every rank's record now into :attr:`reports` (a missing or torn one keeps the
@@ -191,9 +196,17 @@ class Watchdog:
                     self.reports[local] = report
         return self.reports
 
+    def finished_step(self, local: int) -> int | None:
+        """The last step local rank ``local`` finished, read now (exact, unlike its record's step,
+        which is rate-limited); ``None`` when it has written none."""
+        if self.group.ready_dir is None:
+            return None
+        return read_finished_step(progress_file(self.group.ready_dir, self.group.ranks[local]))
+
     def describe(self, local: int) -> str:
-        """What local rank ``local`` last reported, for the stack dump's header."""
+        """What local rank ``local`` is doing (its exact step) and when it last reported, for the
+        stack dump's header."""
         report = self.reports.get(local)
         if report is None:
             return "no progress report yet"
-        return f"last report: {report.phase}, step {report.step}, {self._clock() - report.t:.1f} s ago"
+        return f"{doing_text(report, self.finished_step(local))}, last report {self._clock() - report.t:.1f} s ago"

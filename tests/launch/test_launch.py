@@ -648,17 +648,22 @@ def test_the_summary_names_the_rank_that_failed_first_and_why_when_the_launcher_
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(90)
-def test_a_stall_message_says_the_rank_may_be_past_its_last_reported_step(tmp_path, cli):
+def test_a_stall_message_and_the_stack_headers_name_the_step_each_rank_last_finished(tmp_path, cli):
     """Steps of a few ms are reported every 0.5 s: the message said "last reported step: 20" while the
-    ranks were in step 30. It now says the rank is after that step and that later ones go unreported."""
+    ranks were in step 30. Rank 1 hangs in step 30, rank 0 waits for it in step 31: the watchdog's
+    line and each rank's stack header name exactly those steps (each rank's step field)."""
     env = {"FAULTS": "hang@30", "FAULT_RANK": "1", "FAULT_DIR": str(tmp_path), "SLEEP_PER_STEP_S": "0.02", "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": ""}
     launcher = cli("-n", "2", "--progress-timeout", "4", "--kill-grace", "1", str(TINY), str(tmp_path / "ck"), env=env)
     rc, stderr = finish(launcher, timeout=80)
     assert rc == 75, stderr
-    unreported = r"\(the last step it reported: it reports at most every 0\.5 s, so later steps may have finished too\)"
-    stall = re.search(r"made no progress for [\d.]+ s while training after step (\d+) " + unreported, stderr)
+    in_step = {0: 31, 1: 30}
+    stall = re.search(r"watchdog: rank (\d) \(pid \d+\) made no progress for [\d.]+ s in step (\d+) \(step (\d+) was its last finished\)", stderr)
     assert stall is not None, stderr
-    assert int(stall.group(1)) <= 30  # rank 1 hangs in step 30, rank 0 waits for it in step 31
+    rank = int(stall.group(1))  # the one silent longest: either may be
+    assert (int(stall.group(2)), int(stall.group(3))) == (in_step[rank], in_step[rank] - 1), stderr
+    for rank, step in in_step.items():
+        header = rf"rank {rank} \(pid \d+; in step {step} \(step {step - 1} was its last finished\), last report [\d.]+ s ago\): its Python stacks follow"
+        assert re.search(header, stderr), stderr
 
 
 @pytest.mark.multiproc

@@ -14,7 +14,7 @@ from resilience.distributed import collective_timeout_s
 from resilience.env_names import COLLECTIVE_TIMEOUT_ENV, PROGRESS_FILE_ENV
 from resilience.launch.rank_group import RankGroup
 from resilience.launch.watchdog import AUTO_STEP_FLOOR_S, SAVE_FLOOR_S, ProgressTimeout, Report, Watchdog, is_stopped, read_report
-from resilience.progress import RECORD_BYTES, ProgressReporter, progress_file
+from resilience.progress import STEP_BYTES, STEP_OFFSET, ProgressReporter, progress_file, read_finished_step
 
 
 class FakeClock:
@@ -34,6 +34,7 @@ def test_step_reports_are_rate_limited_while_phase_changes_are_written_at_once(t
     clock.now += 0.1
     reporter.step(2)  # 0.1 s after the last report: not written
     assert read_report(str(path)) == Report("step", 1, pytest.approx(100.1), pytest.approx(0.1), 0.0)
+    assert read_finished_step(str(path)) == 2  # the step field is written at every boundary
     clock.now += 0.5
     reporter.step(3)
     assert read_report(str(path)) == Report("step", 3, pytest.approx(100.7), pytest.approx(0.5), 0.0)  # the longest step so far
@@ -46,7 +47,7 @@ def test_step_reports_are_rate_limited_while_phase_changes_are_written_at_once(t
     reporter.step(4)  # the step after the save counts from its end, not across it
     report = read_report(str(path))
     assert (report.phase, report.step, report.max_step_s, report.max_save_s) == ("step", 3, pytest.approx(0.5), 3.0)
-    assert path.stat().st_size == RECORD_BYTES
+    assert path.stat().st_size == STEP_OFFSET + STEP_BYTES and read_finished_step(str(path)) == 4
     reporter.close()
     assert read_report(str(path)).phase == "done"
 
