@@ -69,6 +69,11 @@ class SlurmConfig:
     every node's launcher restarts its ranks together, through the shared ``--fault-file``)."""
     progress_timeout: str | float = "auto"
     """``resilience run --progress-timeout``: ``auto`` or seconds a rank may go without finishing a step."""
+    signal_hold_timeout: float | str | None = None
+    """``resilience run --signal-hold-timeout``: seconds (>= 0, shorter than ``signal_lead_s``) the
+    launcher holds the stop signal for a rank that does not handle it yet before delivering it
+    anyway (a program without ``resilient_loop()``), or ``inf`` (hold until it does); ``null``:
+    the launcher's default, 60 s (``launcher: resilience`` only)."""
     launcher: str = "resilience"
     """``resilience`` (our launcher, one per node), ``srun`` (one task per rank) or ``torchrun``."""
     requeue: str = "requeue"
@@ -119,10 +124,24 @@ class SlurmConfig:
             setattr(self, key, [str(v) for v in value])
 
     def _check_watchdog(self) -> None:
-        """``in_job_restarts`` and ``progress_timeout``: what ``resilience run`` accepts, where it runs."""
+        """``in_job_restarts``, ``progress_timeout`` and ``signal_hold_timeout``: what ``resilience run`` accepts, where it runs."""
         check_int("slurm.in_job_restarts", self.in_job_restarts, minimum=0)
         timeout = self.progress_timeout
         if isinstance(timeout, bool) or not (timeout == "auto" or (isinstance(timeout, (int, float)) and 0 < timeout < float("inf"))):
             raise ConfigError(f"slurm.progress_timeout: expected 'auto' or a number of seconds > 0, got {timeout!r}")
         if self.launcher != "resilience" and (self.in_job_restarts or timeout != "auto"):
             raise ConfigError(f"slurm.in_job_restarts and slurm.progress_timeout need slurm.launcher: resilience (the watchdog is ours), got {self.launcher!r}")
+        hold = self.signal_hold_timeout
+        if isinstance(hold, str) and hold.strip().lower() in ("inf", "infinity"):
+            hold = self.signal_hold_timeout = float("inf")
+        if hold is None:
+            return
+        if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not hold >= 0:
+            raise ConfigError(f"slurm.signal_hold_timeout: expected a number of seconds >= 0, inf or null (the launcher's 60 s), got {hold!r}")
+        if self.launcher != "resilience":
+            raise ConfigError(f"slurm.signal_hold_timeout needs slurm.launcher: resilience (the hold is our launcher's), got {self.launcher!r}")
+        if hold != float("inf") and hold >= self.signal_lead_s:
+            raise ConfigError(
+                f"slurm.signal_hold_timeout: {hold:g} s is not shorter than slurm.signal_lead_s ({self.signal_lead_s} s): "
+                "a rank that never handles the signal would get it only after the job's end"
+            )

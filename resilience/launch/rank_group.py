@@ -139,8 +139,8 @@ class RankGroup:
     def request_stop(self, sig: int) -> tuple[list[int], list[int]]:
         """Record a stop in the stop file, then send ``sig`` to the ready ranks; hold it for the
         others until they are ready (a rank without its handler would die of it) — they read the
-        stop file when they get ready. A held signal is dropped, not sent, for a rank that says
-        it took the stop from the file (:func:`resilience.stop.handshake.stop_taken_marker`).
+        stop file when they get ready. A signal, held or new, is dropped, not sent, for a rank that
+        says it took the stop from the file (:func:`resilience.stop.handshake.stop_taken_marker`).
         A rank still not ready ``hold_timeout_s`` after its first held signal gets them all then
         (a program without ``resilient_loop()`` never gets ready), with a warning naming it.
         Returns (local ranks signalled, local ranks held)."""
@@ -165,6 +165,12 @@ class RankGroup:
                 "the work they do after it)"
             )
             ready = [local for local in ready if local not in finished]
+        # A rank that found the stop file when it got ready stops already (the batch templates
+        # pass on a signal that came before the launch once the launcher runs): no second one.
+        taken = [local for local in ready if self._took_stop(local)]
+        if taken:
+            self._log(f"ranks {self._global(taken)} took the stop from the stop file already: {signal.Signals(sig).name} not sent to them")
+            ready = [local for local in ready if local not in taken]
         for local in held:
             self._held.setdefault(local, []).append(sig)
             self._held_at.setdefault(local, time.monotonic())
@@ -199,12 +205,17 @@ class RankGroup:
             return sig
         return next((alt for alt in STOP_SIGNALS if catches(pid, alt)), sig)
 
+    def _took_stop(self, local: int) -> bool:
+        """Local rank ``local`` found the stop file when it got ready and acts on it (its
+        :func:`~resilience.stop.handshake.stop_taken_marker` exists)."""
+        return self.ready_dir is not None and stop_taken_marker(self.ready_dir, self.ranks[local]).exists()
+
     def _release_held(self) -> None:
         expired = []
         for local in list(self._held):
             if self.procs[local].poll() is not None:
                 del self._held[local]
-            elif self.ready_dir is not None and stop_taken_marker(self.ready_dir, self.ranks[local]).exists():
+            elif self._took_stop(local):
                 # It read the stop file when it got ready and stops for it: the held signal could
                 # reach it after its loop ended, with the default disposition back, and kill it.
                 del self._held[local]

@@ -18,9 +18,14 @@ The script's shell code lives in ``resilience/slurm/templates/*.sh.in`` (package
    (job id and restart count, as :func:`resilience.launch.slurm_master_port`) and ``MASTER_ADDR``
    (multi-node: the first node's ``NodeAddr`` from ``scontrol show node``);
 3. runs ``slurm.setup``, then launches the ranks in the background with ``slurm.launcher``;
-4. waits, forwarding each signal from the main loop to this node's training processes once every
-   rank on this node handles it (read from ``SigCgt`` in ``/proc/PID/status``); a rank that does not
-   handle it yet has not read the stop file yet either, and stops through it;
+4. waits, forwarding each signal from the main loop: with ``launcher: resilience`` to this node's
+   launcher as soon as it runs (retried every 0.5 s until then), which holds a stop signal for ranks
+   that do not handle it yet and delivers it after ``--signal-hold-timeout``
+   (``slurm.signal_hold_timeout``) to a program that never does; the launcher records that
+   delivery under ``--checkpoint-dir`` (``checkpoint.checkpoint_dir``) for ``resilience status``.
+   With ``srun`` and ``torchrun`` to this node's training processes once every rank on this node
+   handles it (read from ``SigCgt`` in ``/proc/PID/status``); a rank that does not handle it yet
+   has not read the stop file yet either, and stops through it;
 5. kills and reaps whatever the attempt left running, then acts on the ranks' exit code
    (:class:`~resilience.exit_codes.ExitCode`): 75 requeues (``scontrol requeue``, with
    ``<array job id>_<task id>`` for array tasks, or ``sbatch --dependency=afterany`` in resubmit
@@ -42,6 +47,7 @@ import shlex
 from importlib import resources
 
 from resilience.config import ConfigError, ResilienceConfig
+from resilience.launch.rank_group import STOP_SIGNALS
 
 #: Signal names ``sbatch --signal`` accepts (Slurm 22.05 ``sig_name2num``; checked with
 #: ``sbatch --test-only``), less the ones a batch script cannot use: KILL and STOP cannot be
@@ -142,14 +148,24 @@ def _launch_source(config: ResilienceConfig) -> str:
 
 
 def _run_options(config: ResilienceConfig) -> str:
-    """`` --max-restarts N --progress-timeout S`` for ``resilience run``; empty at the defaults (0, ``auto``)."""
+    """`` --max-restarts N --progress-timeout S --signal-hold-timeout S`` for ``resilience run``;
+    empty at the defaults (0, ``auto``, null: the launcher's 60 s)."""
     s = config.slurm
     options = []
     if s.in_job_restarts:
         options.append(f" --max-restarts {s.in_job_restarts}")
     if s.progress_timeout != "auto":
         options.append(f" --progress-timeout {s.progress_timeout:g}")
+    if s.signal_hold_timeout is not None:
+        options.append(f" --signal-hold-timeout {s.signal_hold_timeout:g}")
     return "".join(options)
+
+
+def _launcher_holds(signal_name: str) -> str:
+    """``1`` when ``resilience run`` holds ``signal_name`` for ranks that do not handle it yet (its
+    stop signals, delivered after ``--signal-hold-timeout``), so the batch shell may pass it on at
+    once; ``0`` for a signal it forwards to every rank as it comes."""
+    return "1" if signal_name in {sig.name.removeprefix("SIG") for sig in STOP_SIGNALS} else "0"
 
 
 def _master_addr(config: ResilienceConfig) -> str:
@@ -203,6 +219,8 @@ def render_slurm(config: ResilienceConfig, *, config_path: str | None) -> str:
         "COMMAND": _command(config, config_path),
         "NPROC": str(s.nproc_per_node),
         "RUN_OPTIONS": _run_options(config),
+        "CHECKPOINT_DIR": shlex.quote(config.checkpoint.checkpoint_dir),
+        "LAUNCHER_HOLDS": _launcher_holds(signal_name),
         "CPUS_PER_TASK": str(cpus_per_task),
         "STEP_CPUS": str(s.nproc_per_node * cpus_per_task),
     }

@@ -277,31 +277,46 @@ signal.signal(signal.SIGUSR1, lambda *a: got.append(a[0]))
 if os.environ.get("RESILIENCE_READY_DIR"):
     open(os.path.join(os.environ["RESILIENCE_READY_DIR"], "rank_%s" % os.environ["RANK"]), "w").close()
 stopped_before = os.path.exists(os.environ["RESILIENCE_STOP_FILE"])
+if stopped_before and os.environ.get("RESILIENCE_READY_DIR"):  # as resilient_loop(): the launcher drops its held signal
+    open(os.path.join(os.environ["RESILIENCE_READY_DIR"], "rank_%s.stop_taken" % os.environ["RANK"]), "w").close()
 open(os.path.join(os.environ["FAKE_DIR"], "ready%s" % os.environ["RANK"]), "w").close()
 deadline = time.monotonic() + 60
 while not (got or stopped_before) and time.monotonic() < deadline:
     time.sleep(0.02)
+time.sleep(float(os.environ.get("FAKE_STOP_S", "0")))  # its stop: a save, say
 print("fake rank %s: signal=%s stop_file=%s" % (os.environ["RANK"], bool(got), stopped_before), flush=True)
 sys.exit(int(os.environ["FAKE_EXIT"]))
 """
 
 
 def _run_script(
-    tmp_path: Path, *, env: dict, max_restarts: int = 3, signal_when: str | None = "ready", prelaunch_s: str | None = None, launcher: str = "resilience"
+    tmp_path: Path,
+    *,
+    env: dict,
+    max_restarts: int = 3,
+    signal_when: str | None = "ready",
+    prelaunch_s: str | None = None,
+    launcher: str = "resilience",
+    program: str = FAKE_RANK,
+    **slurm,
 ):
-    """Render for the fake rank, run it under bash, optionally send USR1; return (rc, log, scontrol calls)."""
+    """Render for the fake rank (``program``, which creates FAKE_DIR/ready<RANK> once started),
+    run it under bash, optionally send USR1; return (rc, log, scontrol calls). ``slurm``: more
+    ``slurm:`` keys. The checkpoint directory is tmp_path/ck."""
     import signal as _signal
     import sys
     import time
 
+    assert signal_when in (None, "trap", "ready", "trap+ready"), signal_when
     rank = tmp_path / "rank.py"
-    rank.write_text(FAKE_RANK)
+    rank.write_text(program)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol-calls"
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
     (bin_dir / "scontrol").chmod(0o755)
-    data = _variant(script=str(rank), script_args=[], python=sys.executable, nproc_per_node=2, max_restarts=max_restarts, setup=[], launcher=launcher)
+    data = _variant(script=str(rank), script_args=[], python=sys.executable, nproc_per_node=2, max_restarts=max_restarts, setup=[], launcher=launcher, **slurm)
+    data["checkpoint"]["checkpoint_dir"] = str(tmp_path / "ck")
     script = tmp_path / "job.sub"
     script.write_text(render_slurm(config_from_dict(data), config_path="unused.yaml"))
     log = tmp_path / "log"
@@ -321,12 +336,12 @@ def _run_script(
         proc = subprocess.Popen(["bash", str(script)], env=full_env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
         try:
             deadline = time.monotonic() + 60
-            if signal_when == "trap":
+            if signal_when in ("trap", "trap+ready"):
                 while "trap installed" not in log.read_text():
                     assert time.monotonic() < deadline
                     time.sleep(0.02)
                 proc.send_signal(_signal.SIGUSR1)
-            elif signal_when == "ready":
+            if signal_when in ("ready", "trap+ready"):
                 while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):
                     assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
                     time.sleep(0.02)
@@ -362,6 +377,18 @@ def test_script_records_a_signal_before_launch_in_the_stop_file(tmp_path: Path) 
 
 
 @pytest.mark.timeout(90)
+def test_ranks_that_took_the_stop_from_the_stop_file_get_no_signal_from_the_launcher(tmp_path: Path) -> None:
+    """A signal before the launch now reaches resilience run once it runs, and a later one (Slurm's
+    time-limit warning after a preemption's) reaches it too: a rank that found the stop file when
+    it got ready is already stopping, and a signal could land after its loop put the default
+    disposition back, killing it (it was sent to every ready rank)."""
+    rc, log, calls = _run_script(tmp_path, env={"FAKE_EXIT": "75", "FAKE_STOP_S": "3"}, signal_when="trap+ready", prelaunch_s="1")
+    assert rc == 75 and calls == ["requeue 4242"], log
+    assert log.count("signal=False stop_file=True") == 2, log
+    assert "ranks [0, 1] took the stop from the stop file already: SIGUSR1 not sent to them" in log, log
+
+
+@pytest.mark.timeout(90)
 def test_script_at_the_restart_limit_exits_77_without_requeue(tmp_path: Path) -> None:
     rc, log, calls = _run_script(tmp_path, env={"SLURM_RESTART_COUNT": "2", "FAKE_EXIT": "75"}, max_restarts=2)
     assert rc == 77, log
@@ -375,6 +402,56 @@ def test_script_passes_other_exit_codes_through_without_requeue(tmp_path: Path, 
     rc, log, calls = _run_script(tmp_path, env={"FAKE_EXIT": str(code)})
     assert rc == code, log
     assert calls == [], log
+
+
+# A program without resilient_loop() (a Hugging Face Trainer script): no ready marker, no stop file
+# read; NO_HANDLER never handles USR1, OWN_HANDLER has a handler of its own that exits 75.
+# Each would otherwise train FAKE_TRAIN_S to its end and exit 0.
+NO_HANDLER = r"""
+import os, sys, time
+open(os.path.join(os.environ["FAKE_DIR"], "ready%s" % os.environ["RANK"]), "w").close()
+time.sleep(float(os.environ["FAKE_TRAIN_S"]))
+print("fake rank %s: trained to the end" % os.environ["RANK"], flush=True)
+"""
+OWN_HANDLER = r"""
+import os, signal, sys, time
+def stop(*_):
+    print("fake rank %s: own handler" % os.environ["RANK"], flush=True)
+    os._exit(75)
+signal.signal(signal.SIGUSR1, stop)
+open(os.path.join(os.environ["FAKE_DIR"], "ready%s" % os.environ["RANK"]), "w").close()
+time.sleep(float(os.environ["FAKE_TRAIN_S"]))
+print("fake rank %s: trained to the end" % os.environ["RANK"], flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_script_passes_the_signal_to_resilience_run_which_delivers_it_after_the_hold_to_ranks_that_never_handle_it(tmp_path: Path) -> None:
+    """Issue 23 item 2: the script waited for every rank to handle USR1 before passing it to the
+    launcher, so a program without resilient_loop() never got it, trained to its end and exited 0.
+    Now the launcher gets it at once and delivers it after slurm.signal_hold_timeout; the ranks die
+    of it, the launcher exits 75 and the script requeues; the delivery is recorded for status."""
+    from resilience.launch.held_stops import read_record
+
+    rc, log, calls = _run_script(tmp_path, env={"FAKE_TRAIN_S": "40"}, program=NO_HANDLER, signal_hold_timeout=2)
+    assert rc == 75 and calls == ["requeue 4242"], log
+    assert re.search(r"^resilience: SIGUSR1 \(received at [\d.]+\) forwarded to resilience run \(pid \d+\)", log, re.M), log
+    assert "ranks [0, 1] never became ready" in log and "trained to the end" not in log, log
+    record = read_record(tmp_path / "ck")
+    assert record is not None and record["ranks"] == [0, 1] and record["signals"] == ["SIGUSR1"] and record["exit_code"] == 75, record
+    assert 2 <= record["held_s"] < 10, record
+
+
+@pytest.mark.timeout(90)
+def test_script_passes_a_signal_from_before_the_launch_to_resilience_run_for_a_program_with_its_own_handler(tmp_path: Path) -> None:
+    """A signal before the launch used to be left to the stop file, which a program without
+    resilient_loop() never reads: it trained to its end. Now it reaches the launcher once that
+    runs, and the program's own handler (exit 75) as soon as it is installed."""
+    rc, log, calls = _run_script(tmp_path, env={"FAKE_TRAIN_S": "40"}, program=OWN_HANDLER, signal_when="trap", prelaunch_s="1")
+    assert rc == 75 and calls == ["requeue 4242"], log
+    assert "came before the launch" in log and "resilience run is not running here yet: passed on once it is" in log, log
+    assert re.search(r"^resilience: SIGUSR1 \(received at [\d.]+\) forwarded to resilience run \(pid \d+\)", log, re.M), log
+    assert log.count("own handler") == 2 and "trained to the end" not in log, log
 
 
 @pytest.mark.timeout(120)
@@ -419,6 +496,14 @@ def test_in_job_restarts_and_the_progress_timeout_reach_resilience_run() -> None
     restarting = render_slurm(config_from_dict(_variant(nodes=2, in_job_restarts=1)), config_path=CONFIG_PATH)
     assert "--nproc-per-node 4 --max-restarts 1 --master-addr" in restarting
     assert "--max-restarts" not in _render("single") and "--progress-timeout" not in _render("multinode")  # defaults: as before
+    held = render_slurm(config_from_dict(_variant(nodes=2, signal_hold_timeout=30)), config_path=CONFIG_PATH)
+    assert "--nproc-per-node 4 --signal-hold-timeout 30 --master-addr" in held
+    assert "--signal-hold-timeout inf --master-port" in render_slurm(config_from_dict(_variant(signal_hold_timeout="inf")), config_path=CONFIG_PATH)
+    assert not re.search(r"--signal-hold-timeout (\d|inf)", _render("single"))  # null: the launcher's 60 s
+    # the status record goes to the YAML's checkpoint directory, also through srun's quoting
+    spaced = render_slurm(config_from_dict({**_variant(nodes=2), "checkpoint": {"checkpoint_dir": "/x/my ck"}}), config_path=CONFIG_PATH)
+    assert """--checkpoint-dir "$ckpt" "$@"' \\\n    "$rs_prefix" /opt/venv/bin/python '/x/my ck' train.py""" in spaced
+    assert "--checkpoint-dir /scratch/run1/checkpoints train.py" in _render("single")
 
 
 @pytest.mark.parametrize(
@@ -428,6 +513,10 @@ def test_in_job_restarts_and_the_progress_timeout_reach_resilience_run() -> None
         ({"progress_timeout": "soon"}, "slurm.progress_timeout: expected 'auto' or a number of seconds > 0"),
         ({"progress_timeout": 0}, "slurm.progress_timeout"),
         ({"in_job_restarts": 1, "launcher": "srun"}, "need slurm.launcher: resilience"),
+        ({"signal_hold_timeout": -1}, "slurm.signal_hold_timeout: expected a number of seconds >= 0, inf or null"),
+        ({"signal_hold_timeout": "soon"}, "slurm.signal_hold_timeout: expected"),
+        ({"signal_hold_timeout": 300}, "slurm.signal_hold_timeout: 300 s is not shorter than slurm.signal_lead_s (300 s)"),
+        ({"signal_hold_timeout": 5, "launcher": "torchrun"}, "slurm.signal_hold_timeout needs slurm.launcher: resilience"),
     ],
 )
 def test_a_watchdog_setting_resilience_run_cannot_take_is_a_config_error(slurm: dict, fragment: str) -> None:
