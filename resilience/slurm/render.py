@@ -44,9 +44,11 @@ from __future__ import annotations
 import functools
 import re
 import shlex
+import signal
 from importlib import resources
 
 from resilience.config import ConfigError, ResilienceConfig
+from resilience.launch.forwarding import FORWARDED_SIGNALS
 from resilience.launch.rank_group import STOP_SIGNALS
 
 #: Signal names ``sbatch --signal`` accepts (Slurm 22.05 ``sig_name2num``; checked with
@@ -196,12 +198,19 @@ def render_slurm(config: ResilienceConfig, *, config_path: str | None) -> str:
             ``None`` for a script rendered from the defaults alone (``templates/slurm.sub``).
 
     Raises:
-        ConfigError: no usable preemption signal (see :func:`slurm_signal`), an ``#SBATCH``
+        ConfigError: no usable preemption signal (see :func:`slurm_signal`; with ``slurm.launcher:
+            resilience``, one its launcher forwards), an ``#SBATCH``
             option containing a line break, or ``{config}`` in ``slurm.script_args`` with no
             ``config_path``.
     """
     s = config.slurm
     signal_name = slurm_signal(config)
+    if s.launcher == "resilience" and getattr(signal, "SIG" + signal_name) not in FORWARDED_SIGNALS:
+        # the batch shell hands the signal to the launcher, which would never pass this one on
+        raise ConfigError(
+            f"step_scheduler.preemption_signal: SIG{signal_name} with slurm.launcher: resilience, whose launcher forwards only "
+            f"{', '.join(sig.name for sig in FORWARDED_SIGNALS)}; use SIGUSR1 (the usual choice), or another launcher"
+        )
     cpus_per_task = s.cpus_per_task or 1
     text = _source("batch.sh.in")
     text = text.replace("@LAUNCH@", _launch_source(config).rstrip("\n"))

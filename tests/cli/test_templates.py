@@ -147,7 +147,7 @@ def test_every_render_passes_shellcheck_warnings(tmp_path: Path) -> None:
 def test_signal_line_and_trap_come_from_preemption_signal() -> None:
     """--signal=B:<SIG>@<lead> and the shell's trap both use the first preemption signal."""
     for spec, name in [("SIGUSR2", "USR2"), (["term", "usr1"], "TERM"), (10, "USR1"), ("SIGXCPU", "XCPU")]:
-        data = _variant(signal_lead_s=123)
+        data = _variant(signal_lead_s=123, **({"launcher": "srun"} if name == "XCPU" else {}))  # our launcher forwards no XCPU
         data["step_scheduler"]["preemption_signal"] = spec
         text = render_slurm(config_from_dict(data), config_path="c.yaml")
         assert f"#SBATCH --signal=B:{name}@123\n" in text
@@ -205,6 +205,18 @@ def test_unusable_preemption_signal_is_a_config_error_naming_the_key(spec, fragm
     assert "step_scheduler.preemption_signal" in message and fragment in message
     if spec is not None:
         assert "SIGUSR1" in message  # lists what is accepted
+
+
+def test_a_signal_our_launcher_does_not_forward_is_refused_with_it_and_accepted_with_srun() -> None:
+    """The batch shell hands the stop signal to resilience run, which forwards USR1/USR2/TERM/INT/HUP/QUIT
+    only: SIGALRM would never reach the ranks (the job ran to its end)."""
+    data = _variant()
+    data["step_scheduler"]["preemption_signal"] = "SIGALRM"
+    data.setdefault("slurm", {})["launcher"] = "resilience"
+    with pytest.raises(ConfigError, match=r"preemption_signal: SIGALRM with slurm.launcher: resilience.*SIGUSR1"):
+        render_slurm(config_from_dict(data), config_path="c.yaml")
+    data["slurm"]["launcher"] = "srun"
+    assert "--signal=B:ALRM@" in render_slurm(config_from_dict(data), config_path="c.yaml")
 
 
 def test_every_accepted_name_is_one_sbatch_takes() -> None:
