@@ -598,7 +598,7 @@ def test_time_limit_warning_stops_both_ranks_at_one_step_requeues_and_resumes_ex
     job = campaign.result("timelimit", timeout=440)
     log = job.log()
     parts = attempts(log)
-    interrupted = [part for part in parts if "preempted and saved; requeueing" in part]
+    interrupted = [part for part in parts if "preempted (exit 75); requeueing" in part]
     assert interrupted and len(parts) == len(interrupted) + 1, log
     for part in interrupted:
         assert re.search(r"^resilience: SIGUSR1 \(?received at [\d.]+", part, re.M), log

@@ -79,7 +79,7 @@ def test_a_program_without_resilient_loop_gets_the_held_signal_after_the_hold_an
     assert "trained to the end" not in text, text
     assert "forwarded to resilience run (pid" in text, text
     assert "warning: ranks [0] never became ready" in text and f"in the {HOLD_S} s the stop was held" in text, text
-    assert "preempted and saved; requeueing" in text and "attempt 2 finished" in text and "training done; exit 0" in text, text
+    assert "preempted (exit 75); requeueing" in text and "attempt 2 finished" in text and "training done; exit 0" in text, text
     assert info["Restarts"] == "1", info
     pids = [int(line.split()[-1]) for f in (tmp_path / ".resilience").glob("*.pids") for line in f.read_text().splitlines() if line.split()]
     assert pids and not [pid for pid in pids if pid_alive(pid) and f"SLURM_JOB_ID={job}".encode() in _environ(pid)], text
