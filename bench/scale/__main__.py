@@ -6,7 +6,8 @@
 
 Each (mode, N) cell runs in a process of its own (``bench.scale.cell``) under ``--cell-limit-s``;
 a cell stopped there keeps what it measured, the rest marked as lower bounds. Writes
-``bench/results/scale.json`` (``--out``; the run's conditions beside it in ``scale.meta.json``)
+``bench/results/scale.json`` (``--out``; the run's conditions beside it in ``scale.meta.json``,
+every cell's raw measurements, with all the functions' CPU, in ``scale.cells.json``)
 after every cell and prints the tables. See ``bench/scale/__init__.py`` for what is real and what
 is simulated, and bench/README.md for the figures.
 """
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, Any]]] = {mode: {} for mode in args.modes}
+    raw: dict[str, dict[str, Any]] = {mode: {} for mode in args.modes}  # every cell's measurements, for scale.cells.json
     failed = False
     with tempfile.TemporaryDirectory(prefix="scale-", dir=args.dir) as tmp:
         for mode in args.modes:
@@ -119,13 +121,16 @@ def main(argv: list[str] | None = None) -> int:
                     figures.add_optimizer_part(fig, doc, with_optimizer[1], with_optimizer[0])
                 failed = failed or "error" in doc
                 results[mode][str(n)] = fig
+                raw[mode][str(n)] = doc
                 out.write_text(json.dumps(results, indent=1) + "\n")
+                out.with_name(out.stem + ".cells.json").write_text(json.dumps(raw) + "\n")
     meta["loadavg_at_end"] = os.getloadavg()
     out.with_name(out.stem + ".meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"## Scale: one save and one resume of a Llama-2-7B-shaped state ({meta['started_at']}, {meta['cpus']} CPUs)\n")
     print(figures.table(results))
-    print(f"\nWhere the CPU goes at N = {max(args.ranks)}:\n")
-    print(figures.functions_table(results, str(max(args.ranks))))
+    for n in args.ranks[-2:]:
+        print(f"\nWhere the CPU goes at N = {n}:\n")
+        print(figures.functions_table(results, str(n)))
     print(f"\nJSON: {out}")
     return 1 if failed else 0
 

@@ -115,7 +115,9 @@ def add_optimizer_part(fig: dict[str, Any], doc: dict[str, Any], source: dict[st
         if fig.get(key) is not None:
             fig[key] += value
     fig["optimizer_part_from_n"] = source_n
-    fig["lower_bound"] = sorted(set(fig["lower_bound"]) | set(adds) | {"own_file_bytes"})
+    # without the optimizer's files (one DCP file per rank) the file counts are lower too
+    fewer_files = {"own_file_bytes", "files", "rank0_publish_s", "rank0_meta_ops", "rank0_resume_meta_ops"}
+    fig["lower_bound"] = sorted(set(fig["lower_bound"]) | set(adds) | fewer_files)
 
 
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -138,7 +140,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 return (">= " if key in low else "") + text
 
             lines.append(
-                f"| {mode} | {n} | {fig.get('files', 'n/a')} | {v('save_plan_s')} / {v('rank0_save_plan_s')} "
+                f"| {mode} | {n} | {v('files')} | {v('save_plan_s')} / {v('rank0_save_plan_s')} "
                 f"| {v('resume_plan_s')} / {v('rank0_resume_plan_s')} "
                 f"| {v('rank0_publish_s')} | {v('rank0_meta_ops')} / {v('rank0_resume_meta_ops')} | {v('index_bytes_per_rank', human_bytes)} "
                 f"| {v('resume_read_bytes_per_rank', human_bytes)} ({v('replicated_bytes', human_bytes)}) | {v('own_file_bytes', human_bytes)} "
