@@ -38,7 +38,7 @@ from resilience.metrics_log import training_row, truncate_logs
 from resilience.parent_death import die_with_launcher
 from resilience.progress import ProgressReporter
 from resilience.slurm.job import run_id_from_env, signal_reach_warning
-from resilience.state.accumulation import micro_batches
+from resilience.state.accumulation import batches_left, micro_batches
 from resilience.state.batch_size import BatchSizeChangeRefused, batch_layout
 from resilience.state.data_position import epoch_iterator, loader_length, set_epoch
 from resilience.state.step_scheduler import StepScheduler
@@ -232,7 +232,8 @@ class ResilientLoop:
                 restored = None
             position = None
             # One Step per micro-batch; all below runs once per optimizer step, between them.
-            for micro, is_optimizer_step, batch in micro_batches(iterator, sched_cfg.gradient_accumulation_steps):
+            left = batches_left(loader, scheduler.batches_in_epoch)  # from the length: Accelerate must see its loader end
+            for micro, is_optimizer_step, batch in micro_batches(iterator, sched_cfg.gradient_accumulation_steps, left):
                 number = scheduler.global_step + 1
                 is_val_step = bool(sched_cfg.val_every_steps) and number % sched_cfg.val_every_steps == 0
                 self._in_step = True

@@ -23,6 +23,7 @@ import torch
 from resilience.config.checks import ConfigError
 from resilience.config.step_scheduler import StepSchedulerConfig
 from resilience.distributed import DistContext
+from resilience.state.accumulation import check_accumulation
 from resilience.state.data_parallel import DataParallel, data_parallel_layout
 from resilience.state.data_position import epoch_setter, is_stateful, loader_length
 from resilience.state.training_state import TrainingState
@@ -85,6 +86,7 @@ def batch_layout(config: StepSchedulerConfig, state: TrainingState, ctx: DistCon
     """This run's global batch (:func:`global_batch_size` of ``config``'s ``global_batch_size`` and
     ``gradient_accumulation_steps``) and data-parallel layout (:func:`~resilience.state.data_parallel.data_parallel_layout`
     of ``data_parallel``, what ``resilient_loop()`` was given); collectives. Raises ``ConfigError`` as those do."""
+    check_accumulation(config.gradient_accumulation_steps, state.optimizer)  # Accelerate's, if any, must agree
     layout = data_parallel_layout(state.dataloader, state.model, ctx, data_parallel)
     return global_batch_size(config.global_batch_size, state.dataloader, ctx, config.gradient_accumulation_steps, layout.replicas), layout
 

@@ -28,10 +28,22 @@ _spec.loader.exec_module(stop_runs)
 ACCUMULATED = ["step_scheduler.num_epochs=2", "step_scheduler.gradient_accumulation_steps=3", "data.global_batch_size=32", "step_scheduler.ckpt_every_steps=20"]
 
 
+class _NoLength:
+    """An iterable of batches without __len__: the last batch is found by drawing the next one ahead."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
 @pytest.mark.timeout(60)
-def test_micro_batches_group_into_optimizer_steps_and_an_epoch_tail_is_a_short_step(tmp_path):
+@pytest.mark.parametrize("sized", [True, False], ids=["length", "no-length"])
+def test_micro_batches_group_into_optimizer_steps_and_an_epoch_tail_is_a_short_step(tmp_path, sized):
     model = torch.nn.Linear(2, 1)
     batches = [torch.full((1, 2), float(i)) for i in range(7)]
+    batches = batches if sized else _NoLength(batches)
     config = {"step_scheduler": {"num_epochs": 2, "gradient_accumulation_steps": 3, "preemption_signal": None}, "checkpoint": {"checkpoint_dir": str(tmp_path)}}
     loop = resilient_loop(config, model=model, dataloader=batches)
     seen = []
@@ -106,3 +118,42 @@ def test_on_two_ranks_the_stop_step_does_not_depend_on_the_micro_batch_the_signa
         for r in rows:
             got = {k: r[k] for k in ("stop_step", "exit_code", "latest", "batches_in_epoch")}
             assert got == _expected_stop(r["every"], 2), f"rank {rank}, ckpt_every_steps={r['every']}, signal in micro-batch {r['position']}"
+
+
+ACCELERATE_TAIL = """
+import sys, torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+from resilience import ConfigError, resilient_loop
+acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(torch.randn(7, 2), torch.randn(7, 1)), batch_size=1)
+model, opt, loader = acc.prepare(model, opt, loader)
+cfg = lambda a: {"checkpoint": {"enabled": False}, "step_scheduler": {"gradient_accumulation_steps": a, "num_epochs": 2, "preemption_signal": None}}
+try:
+    resilient_loop(cfg(1), model=model, optimizer=opt, dataloader=loader)
+    sys.exit("accepted a loop accumulating 1 under an Accelerator accumulating 2")
+except ConfigError as exc:
+    assert "set step_scheduler.gradient_accumulation_steps to 2" in str(exc), exc
+loop = resilient_loop(cfg(2), model=model, optimizer=opt, dataloader=loader)
+rows = []
+with loop:
+    for step in loop:
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.mse_loss(model(step.batch[0]), step.batch[1])); opt.step(); opt.zero_grad()
+        rows.append((step.global_step, step.micro_step, step.is_optimizer_step, acc.sync_gradients))
+assert len(rows) == 14, rows
+bad = [row for row in rows if row[2] != row[3]]
+assert not bad, f"the loop's optimizer steps differ from Accelerate's (global_step, micro, loop, accelerate): {bad}"
+"""
+
+
+@pytest.mark.timeout(120)
+def test_accelerate_accumulation_agrees_with_the_loop_on_every_optimizer_step_and_another_count_is_refused():
+    """Found by a newcomer: the loop drew the epoch's tail batch ahead, so Accelerate's loader ended early,
+    accumulate() did not sync on the 1-batch tail step and every later step was off by one (a stop saved
+    half an accumulated gradient, exit 0); a loop accumulating 1 under an Accelerator accumulating 2 was accepted."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", ACCELERATE_TAIL], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stdout + out.stderr
