@@ -14,6 +14,10 @@ ranks) the ranks of a non-data-parallel mesh dimension may see the same batches 
 which: :func:`data_parallel_layout` refuses rather than guess. A tensor-parallel x2 run with one
 replica counts its batch once, not twice; summed over its two ranks, a resume under FSDP2 x2 would
 skip half an epoch.
+
+A stated or sampler-given layout is checked against the model: the ranks holding different shards
+of one ``DTensor`` parameter (not FSDP2's) along a mesh dimension train on the same batches, so
+they must be one replica, or the global batch would count them twice and a resume skip samples.
 """
 
 from __future__ import annotations
@@ -68,12 +72,15 @@ def data_parallel_layout(loader: Any, model: torch.nn.Module, ctx: DistContext, 
     Raises:
         ConfigError: on every rank alike: ``stated`` is not two ints with ``0 <= dp_rank < dp_size``,
             it disagrees with the loader's ``DistributedSampler``, the ranks' sizes differ or leave a
-            replica without a rank, or the replica cannot be known (the message says how to state it).
+            replica without a rank, the replica cannot be known (the message says how to state it), or
+            ranks that hold different shards of one ``DTensor`` parameter (:func:`sharded_rank_groups`:
+            tensor parallel, outside FSDP2) are in different replicas (their batches would count twice).
     """
     own, error = _own_replica(loader, model, ctx, stated)
-    gathered = ctx.gather_or_raise(error, own, fail=lambda detail: ConfigError(f"{KEY}: {detail}; {HOW}"))
-    sizes = [size for _, size in gathered]
-    replicas = tuple(replica for replica, _ in gathered)
+    groups = sharded_rank_groups(model) if ctx.world_size > 1 else {}
+    gathered = ctx.gather_or_raise(error, (own, groups), fail=lambda detail: ConfigError(f"{KEY}: {detail}; {HOW}"))
+    sizes = [size for (_, size), _ in gathered]
+    replicas = tuple(replica for (replica, _), _ in gathered)
     if len(set(sizes)) > 1:
         raise ConfigError(f"{KEY}: the ranks give different data-parallel sizes (rank -> size: {dict(enumerate(sizes))}); {HOW}")
     missing = sorted(set(range(sizes[0])) - set(replicas))
@@ -82,6 +89,16 @@ def data_parallel_layout(loader: Any, model: torch.nn.Module, ctx: DistContext, 
             f"{KEY}: a data-parallel size of {sizes[0]} but no rank holds replica(s) {missing} (rank -> replica: "
             f"{dict(enumerate(replicas))}): their samples would never be trained; {HOW}"
         )
+    for _, rank_groups in gathered:  # every rank checks every rank's groups: one verdict everywhere
+        for ranks, (name, dim) in rank_groups.items():
+            stated_replicas = {r: replicas[r] for r in ranks}
+            if len(set(stated_replicas.values())) > 1:
+                raise ConfigError(
+                    f"{KEY}: parameter {name!r} is a DTensor sharded along mesh dimension {dim} over ranks {list(ranks)}, "
+                    f"which must train on the same batches, but they are stated in different replicas (rank -> replica: "
+                    f"{stated_replicas}); state data_parallel=(mesh['dp'].get_local_rank(), mesh['dp'].size()) "
+                    "((0, 1) for tensor parallel alone) or a DistributedSampler over the data-parallel dimension only"
+                )
     return DataParallel(replicas)
 
 
@@ -104,6 +121,28 @@ def non_data_parallel_parameter(model: torch.nn.Module, world_size: int) -> str 
         if isinstance(param, DTensor) and (id(param) not in managed or not _fsdp_placements(param, world_size)):
             return name
     return None
+
+
+def sharded_rank_groups(model: torch.nn.Module | None) -> dict[tuple[int, ...], tuple[str, int]]:
+    """The groups of global ranks that hold different shards of one ``DTensor`` parameter along a
+    mesh dimension (a ``Shard`` placement), each with its first such parameter's name and that
+    dimension: tensor parallel, whose ranks must share batches. Parameters of FSDP2-managed modules
+    are left out (FSDP2's own ``Shard`` is data parallel, and its mesh dimensions cannot be told
+    from tensor-parallel ones by public API); so is a non-``Shard`` placement (``Replicate``, ``Partial``).
+    Only the groups of this rank's meshes (a sub-mesh names its own ranks only)."""
+    if model is None:
+        return {}
+    managed = {id(p) for module in model.modules() if isinstance(module, FSDPModule) for p in module.parameters()}
+    groups: dict[tuple[int, ...], tuple[str, int]] = {}
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor) or id(param) in managed:
+            continue
+        ranks = param.device_mesh.mesh
+        for dim, placement in enumerate(param.placements):
+            if isinstance(placement, Shard) and ranks.size(dim) > 1:
+                for group in ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)).tolist():
+                    groups.setdefault(tuple(group), (name, dim))
+    return groups
 
 
 def position_rank(saved_replicas: Sequence[int] | None, saved_world: int, layout: DataParallel, rank: int) -> int | None:

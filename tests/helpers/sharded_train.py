@@ -11,8 +11,9 @@ plain, replicated), ``fsdp_tp`` (2-D mesh dp x tp = world/2 x 2: TP inside, FSDP
 Env ``LOADER``: ``list`` (default: 12 batches of 4 made on each rank from its data-parallel index;
 its batch size cannot be read, and the layouts whose data-parallel identity cannot be known from it,
 ``tp``, ``fsdp_tp`` and ``partial``, state it: ``resilient_loop(data_parallel=...)``, unless env
-``DATA_PARALLEL=unstated``), ``sampler`` (``DataLoader`` of ``SAMPLES`` (48) samples in batches of
-``BATCH`` (4) over a shuffling ``DistributedSampler`` of the data-parallel replicas) or ``stateful``
+``DATA_PARALLEL=unstated``; ``DATA_PARALLEL=per_rank`` states ``(rank, world)``, wrong for ``tp``),
+``sampler`` (``DataLoader`` of ``SAMPLES`` (48) samples in batches of ``BATCH`` (4) over a shuffling
+``DistributedSampler`` of the data-parallel replicas) or ``stateful``
 (the same with a ``StatefulDataLoader``); with the last two each step's record lists the sample ids
 this rank trained (``ids``).
 
@@ -99,7 +100,7 @@ if loader_kind == "list":
     g = torch.Generator().manual_seed(dp_rank)
     batches = [(torch.randn(4, DIM, generator=g), torch.randn(4, OUT, generator=g)) for _ in range(12)]
     if layout in ("tp", "fsdp_tp", "partial") and os.environ.get("DATA_PARALLEL") != "unstated":
-        stated = {"data_parallel": (dp_rank, dp_size)}
+        stated = {"data_parallel": (rank, world) if os.environ.get("DATA_PARALLEL") == "per_rank" else (dp_rank, dp_size)}
 else:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
     from torchdata.stateful_dataloader import StatefulDataLoader

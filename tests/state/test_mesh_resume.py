@@ -100,6 +100,20 @@ def test_a_tensor_parallel_model_whose_loader_cannot_say_which_ranks_share_batch
     assert not (tmp_path / "ck" / TRAINING_LOG).exists(), "nothing trained"
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_stated_layout_that_splits_tensor_parallel_ranks_into_replicas_is_refused_on_every_rank(tmp_path, capfd):
+    """TP x2 stated ``data_parallel=(rank, 2)``: the ranks holding the two shards of ``up.weight``
+    train on the same batches, so two replicas would count each batch twice (a global batch of 8
+    for 4 samples) and a resume skip samples; resilient_loop() refuses, naming the fix."""
+    codes = run(tmp_path / "ck", tmp_path / "out", "tp", 2, env={"DATA_PARALLEL": "per_rank"})
+    err = capfd.readouterr().err
+    assert codes == [ExitCode.CONFIG_ERROR] * 2
+    assert err.count("data_parallel: parameter 'up.weight' is a DTensor sharded along mesh dimension 0 over ranks [0, 1]") == 2
+    assert "(rank -> replica: {0: 0, 1: 1})" in err and "((0, 1) for tensor parallel alone)" in err
+    assert not (tmp_path / "ck" / TRAINING_LOG).exists(), "nothing trained"
+
+
 def test_a_stated_data_parallel_layout_is_checked_before_training():
     """Bad forms, a disagreement with the loader's sampler, and a replica no rank trains."""
     ctx, loader = DistContext(), DataLoader(list(range(8)), batch_size=2)
