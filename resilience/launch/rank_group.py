@@ -243,21 +243,25 @@ class RankGroup:
         self.delivered_after_hold.append({"signals": names, "ranks": self._global(expired), "held_s": round(held_s, 1), "at": time.time()})
 
     def _stopped_before_ready(self, codes: Sequence[int | None]) -> bool:
-        """True when every rank died of a stop signal this launcher had recorded while the rank was
-        not ready: the signal reached it directly too (sent to the whole process group, as Slurm
-        and ``kill -- -PGID`` do) before its handlers existed. Nothing was trained past ``LATEST``,
-        so this is a stop before the first step (``PREEMPTED``, requeue), not a failure."""
-        if not all(code is not None and code < 0 and -code in self._held_ever.get(local, ()) for local, code in enumerate(codes)):
+        """True when the run is a stop (``PREEMPTED``, requeue), not a failure: every rank died of a stop signal
+        this launcher recorded while the rank was not ready (it reached the rank directly too, sent to the process
+        group as Slurm and ``kill -- -PGID`` do, before its handlers existed: nothing trained past ``LATEST``); or,
+        after a delivery past the hold, each died of a signal held or delivered, or exited 0 or 75 (``[75, -15]``)."""
+        delivered = {signal.Signals[name] for event in self.delivered_after_hold for name in event["signals"]}
+        orderly = (0, int(ExitCode.PREEMPTED)) if delivered else ()
+        if not all(
+            code is not None and (code in orderly or (code < 0 and -code in delivered | self._held_ever.get(local, set()))) for local, code in enumerate(codes)
+        ):
             return False
-        names = sorted({signal.Signals(-code).name for code in codes if code is not None})
-        if self.delivered_after_hold:  # a program without resilient_loop() may have trained: no claim about LATEST
+        if delivered:  # a program without resilient_loop() may have trained: no claim about LATEST
             waited = sorted({rank for event in self.delivered_after_hold for rank in event["ranks"]})
             self._log(
-                f"ranks {list(self.ranks)} died of {', '.join(names)}, the stop signal this launcher was asked to pass on "
+                f"ranks {list(self.ranks)} exited with {list(codes)} on the stop signal this launcher was asked to pass on "
                 f"(ranks {waited} got it after it was held {self.hold_timeout_s:g} s for them: they never became ready): "
                 f"exit {int(ExitCode.PREEMPTED)} (preempted: requeue)"
             )
             return True
+        names = sorted({signal.Signals(-code).name for code in codes if code is not None})
         self._log(
             f"ranks {list(self.ranks)} died of {', '.join(names)} before installing their handlers (the signal reached "
             "them directly too, e.g. sent to the whole process group): nothing trained since LATEST, which is "

@@ -571,17 +571,23 @@ def test_ranks_that_crash_leave_no_temp_dir(tmp_path, cli):
 # -- a stop signal for ranks that never get ready; what the operator is told ------------------
 
 # A Trainer-like program: two gloo ranks that train for 30 s without resilient_loop() and without
-# a handler of their own, so they never become ready for a stop signal.
+# a handler of their own, so they never become ready for a stop signal. With HANDLER_EXIT, rank 0
+# has a SIGTERM handler of its own that exits with it, and no collectives run (a rank leaving
+# mid-all_reduce would fail its peer).
 NO_LOOP_WORKER = """
-import os, sys, time
+import os, signal, sys, time
 import torch
 import torch.distributed as dist
 dist.init_process_group("gloo")
 out, rank = sys.argv[1], dist.get_rank()
+handler_exit = os.environ.get("HANDLER_EXIT")
+if handler_exit is not None and rank == 0:
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(int(handler_exit)))
 open(os.path.join(out, "up%d" % rank), "w").close()
 ends = time.monotonic() + 30
 while time.monotonic() < ends:
-    dist.all_reduce(torch.ones(1))
+    if handler_exit is None:
+        dist.all_reduce(torch.ones(1))
     time.sleep(0.05)
 open(os.path.join(out, "done%d" % rank), "w").close()
 dist.destroy_process_group()
@@ -620,6 +626,23 @@ def test_a_stop_signal_held_for_ranks_that_never_get_ready_is_delivered_after_th
     assert 1 <= held["held_s"] < 10
     assert cli_main(["status", str(ck)]) == 0
     assert "Stop signal held by resilience run: SIGUSR1 held" in capsys.readouterr().out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("handler_exit", [75, 0])
+def test_a_rank_stopping_in_its_own_handler_while_the_other_dies_of_the_signal_after_the_hold_is_a_preemption(tmp_path, cli, handler_exit):
+    """TERM to the launcher: rank 0 (its own handler) gets it at once and exits 75 or 0, rank 1 (no
+    handler) gets it after the hold and dies of it. [75, -15] and [0, -15] were a failure (exit 1, no
+    requeue) although the README promises exit 75 then."""
+    worker = write_worker(tmp_path, NO_LOOP_WORKER)
+    env = {"OMP_NUM_THREADS": "1", "HANDLER_EXIT": str(handler_exit)}
+    launcher = cli("-n", "2", "--signal-hold-timeout", "1", worker, str(tmp_path), env=env)
+    wait_for([tmp_path / "up0", tmp_path / "up1"], timeout=40)
+    os.kill(launcher.pid, signal.SIGTERM)
+    rc, stderr = finish(launcher)
+    assert "warning: ranks [1] never became ready" in stderr, stderr
+    assert f"exited with [{handler_exit}, -15]" in stderr and rc == 75, stderr
 
 
 @pytest.mark.multiproc
