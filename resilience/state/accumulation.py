@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from resilience.config.checks import ConfigError
+from resilience.state.data_position import loader_length
 
 _END = object()
 
@@ -57,10 +58,8 @@ def batches_left(loader: Any, consumed: int) -> int | None:
     without a length or over an iterable dataset (whose length may not be what it yields)."""
     if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
         return None
-    try:
-        return len(loader) - consumed
-    except TypeError:
-        return None
+    length = loader_length(loader)
+    return None if length is None else length - consumed
 
 
 def check_accumulation(accumulation: int, optimizer: Any) -> None:

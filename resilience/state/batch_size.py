@@ -187,7 +187,7 @@ def continue_with_batch_size(
         # torchdata's StatefulDataLoader: its batch sampler's state counts samples, so loaded into the
         # loader of the new batch size it continues at the same sample, whatever its sampler
         return state, {**data_position, "batches_in_epoch": moved}
-    if is_stateful(loader) and epoch_setter(loader) is None and data_position.get("epoch_rng") is None:
+    if not _replayable(loader, data_position):
         raise BatchSizeChangeRefused(
             f"{KEY} changed from {old} (saved in {checkpoint}) to {new}, and the loader's own state does not count "
             "samples (no torchdata samples_yielded) while its sampler has no set_epoch: the epoch's order cannot be "
@@ -212,12 +212,16 @@ def _check_replayable(data_position: dict[str, Any] | None, loader: Any, checkpo
     if data_position is None or data_position.get("loader") is not None or not data_position.get("batches_in_epoch"):
         return
     sampler = getattr(loader, "sampler", None)
-    if isinstance(sampler, torch.utils.data.SequentialSampler) or not is_stateful(loader) or epoch_setter(loader) is not None:
-        return
-    if data_position.get("epoch_rng") is None:
+    if not isinstance(sampler, torch.utils.data.SequentialSampler) and not _replayable(loader, data_position):
         raise BatchSizeChangeRefused(
             f"{checkpoint} was saved under another data-parallel layout, and this loader's epoch is replayed from its start, "
             f"but its sampler ({type(sampler).__name__}) has no set_epoch and the order it drew cannot be drawn again: resuming "
             "would train other samples than the ones left. Resume under the saved layout, from a checkpoint at an epoch's end, "
             "or use a sampler with set_epoch (DistributedSampler)"
         )
+
+
+def _replayable(loader: Any, data_position: dict[str, Any]) -> bool:
+    """The epoch's order can be drawn again: the loader has no state of its own (its epoch-start RNG
+    is saved), its sampler has ``set_epoch``, or that RNG was saved anyway."""
+    return not is_stateful(loader) or epoch_setter(loader) is not None or data_position.get("epoch_rng") is not None

@@ -129,7 +129,8 @@ def sharded_rank_groups(model: torch.nn.Module | None) -> dict[tuple[int, ...], 
     dimension: tensor parallel, whose ranks must share batches. Parameters of FSDP2-managed modules
     are left out (FSDP2's own ``Shard`` is data parallel, and its mesh dimensions cannot be told
     from tensor-parallel ones by public API); so is a non-``Shard`` placement (``Replicate``, ``Partial``).
-    Only the groups of this rank's meshes (a sub-mesh names its own ranks only)."""
+    Only the groups that hold this rank: its payload in the layout's all-gather stays a few groups of
+    the tensor-parallel size at any world size (all of a mesh's groups would be O(N) per rank, O(N^2) received)."""
     if model is None:
         return {}
     managed = {id(p) for module in model.modules() if isinstance(module, FSDPModule) for p in module.parameters()}
@@ -137,11 +138,13 @@ def sharded_rank_groups(model: torch.nn.Module | None) -> dict[tuple[int, ...], 
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor) or id(param) in managed:
             continue
-        ranks = param.device_mesh.mesh
+        ranks, coordinate = param.device_mesh.mesh, param.device_mesh.get_coordinate()
+        if coordinate is None:  # this rank is outside the parameter's mesh
+            continue
         for dim, placement in enumerate(param.placements):
             if isinstance(placement, Shard) and ranks.size(dim) > 1:
-                for group in ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)).tolist():
-                    groups.setdefault(tuple(group), (name, dim))
+                index = [slice(None) if d == dim else c for d, c in enumerate(coordinate)]
+                groups.setdefault(tuple(ranks[tuple(index)].tolist()), (name, dim))
     return groups
 
 
