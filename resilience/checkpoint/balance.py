@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import heapq
+
 
 def balance(sizes: dict[str, int], ranks: int) -> dict[str, int]:
     """The rank (``0 .. ranks-1``) of each item: largest first, each to the least loaded rank
     (ties: the lowest rank; equal sizes go in ``sizes``' order). Deterministic, so every rank
-    that calls it with the same ``sizes`` gets the same answer without a collective."""
-    load = [0] * ranks
-    owner = {}
+    that calls it with the same ``sizes`` gets the same answer without a collective.
+
+    O(items log items + items log ranks): the least loaded rank comes from a heap of
+    ``(load, rank)``, which orders exactly as the scan ``min(range(ranks), key=(load, rank))``
+    did, so the split is unchanged (a scan cost O(items x ranks): 24,874 files x 8,192 ranks
+    took 28 s per rank at the resume, bench/README.md).
+
+    Raises:
+        ValueError: ``ranks < 1`` while there are items.
+    """
+    if ranks < 1 and sizes:
+        raise ValueError(f"balance: {len(sizes)} items over {ranks} ranks")
     keys = list(sizes)
+    owner = {}
+    heap = [(0, r) for r in range(min(ranks, len(keys)))]  # ranks past the item count never get one
     for i in sorted(range(len(keys)), key=lambda i: (-sizes[keys[i]], i)):
-        rank = min(range(ranks), key=lambda r: (load[r], r))
+        load, rank = heapq.heappop(heap)
         owner[keys[i]] = rank
-        load[rank] += sizes[keys[i]]
+        heapq.heappush(heap, (load + sizes[keys[i]], rank))
     return owner
