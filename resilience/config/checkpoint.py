@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
 from resilience.config.checks import ConfigError, check_bool, check_int, check_local_path
 
+log = logging.getLogger("resilience")
+
 
 def _check_retention_and_mindspore_keys(cfg: CheckpointConfig) -> None:
     """Validate the retention, LOWEST_VAL and MindSpore Transformers keys of ``checkpoint``."""
-    for key in ("is_async", "enable_save", "no_save_optim", "no_load_optim", "load_balanced"):
+    for key in ("is_async", "enable_save", "no_save_optim", "no_load_optim", "load_balanced", "remove_redundancy"):
         check_bool(f"checkpoint.{key}", getattr(cfg, key))
+    if not cfg.remove_redundancy:  # honest, not silent: there is no redundant layout to opt into
+        log.warning("checkpoint.remove_redundancy: false has no effect: replicated tensors are stored once anyway (by one of their holders)")
     if isinstance(cfg.async_timeout_s, bool) or not isinstance(cfg.async_timeout_s, (int, float)) or cfg.async_timeout_s <= 0:
         raise ConfigError(f"checkpoint.async_timeout_s: expected a number of seconds > 0, got {cfg.async_timeout_s!r}")
     check_int("checkpoint.max_recent_checkpoints", cfg.max_recent_checkpoints, minimum=1, allow_none=True)
@@ -102,6 +107,10 @@ class CheckpointConfig:
     when ``checkpoint_dir`` holds no checkpoint of its own yet ("" or null: none)."""
     load_balanced: bool = False
     """MindSpore Transformers: accepted; a no-op (there are no redundant shards to balance here)."""
+    remove_redundancy: bool = True
+    """MindSpore Transformers: store replicated tensors once (default true). Accepted; it is how
+    every save works: a block several ranks hold is written by one of its holders. ``false`` (write
+    every copy) is accepted too but changes nothing beyond a warning saying so."""
     prefix: str | None = "checkpoint"
     """MindSpore Transformers' file-name prefix: accepted, changes no name (the layout is NeMo's)."""
     model_save_format: str = "safetensors"

@@ -18,7 +18,7 @@ from resilience.checkpoint import Checkpointer, CheckpointNotFound, TrainingStat
 from resilience.checkpoint.layout import LATEST
 from resilience.checkpoint.storage.manifest import read_manifest, validate
 from resilience.checkpoint.storage.pointers import read_pointer
-from resilience.config import ConfigError, config_from_dict
+from resilience.config import ConfigError, config_from_dict, load_config
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler
 
@@ -130,6 +130,8 @@ def test_empty_save_path_while_saving_is_an_error(value):
         ("no_save_optim", 1),
         ("no_load_optim", None),
         ("load_balanced", "true"),
+        ("remove_redundancy", "false"),
+        ("remove_redundancy", 1),
         ("is_async", 0),
         ("save_max", 0),
         ("prefix", 3),
@@ -140,6 +142,20 @@ def test_empty_save_path_while_saving_is_an_error(value):
 def test_bad_values_name_the_key(key, value):
     with pytest.raises(ConfigError, match=rf"checkpoint\.{key}"):
         config_from_dict({"checkpoint": {key: value}})
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_remove_redundancy_loads_from_yaml_and_false_says_it_changes_nothing(tmp_path, caplog, value):
+    """MindSpore's ``remove_redundancy`` is a key of ours (it was an unknown-key error): replicated
+    tensors are stored once anyway, so ``false`` is accepted with a warning saying so."""
+    path = tmp_path / "config.yaml"
+    path.write_text(f"checkpoint:\n  save_path: {tmp_path / 'ck'}\n  remove_redundancy: {str(value).lower()}\n")
+    with caplog.at_level(logging.WARNING, logger="resilience"):
+        cfg = load_config(path)
+    assert cfg.checkpoint.remove_redundancy is value
+    said = [r.getMessage() for r in caplog.records if "remove_redundancy" in r.getMessage()]
+    assert said == ([] if value else ["checkpoint.remove_redundancy: false has no effect: replicated tensors are stored once anyway (by one of their holders)"])
+    assert config_from_dict({}).checkpoint.remove_redundancy is True  # the default, as MindSpore's
 
 
 def test_load_path_and_restore_from_together_is_an_error():
