@@ -170,8 +170,8 @@ class ResilientLoop:
         if warning and self.ctx.rank == 0 and sched_cfg.signals:
             log.warning(warning)
         try:
-            every_steps = 1 if self._auto_cadence else sched_cfg.agreement_every_steps
-            with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=every_steps, adaptive=self._auto_cadence) as agreement:
+            kw = {"adaptive": self._auto_cadence, "nodes": sched_cfg.agreement_nodes, "timeout_s": collective_timeout_s(self.config.checkpoint.async_timeout_s)}
+            with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=self._cadence(), **kw) as agreement:
                 # A stop the launcher or batch script recorded before this rank could receive it.
                 stop_before_start = mark_ready_and_check_stop(acts_on_stop=bool(sched_cfg.signals)) and bool(sched_cfg.signals)
                 self._pending = lambda: STOP_PREEMPTION if (signals or stop_before_start) else 0
@@ -282,9 +282,9 @@ class ResilientLoop:
         return 1 if self._auto_cadence else self.config.step_scheduler.agreement_every_steps
 
     def _proposed_cadence(self) -> int:
-        """``auto`` on rank 0: the steps that take ``agreement_interval_s``, from the measured step
-        time (0 = no proposal: not auto, not rank 0, or no step time yet)."""
-        return auto_cadence(self.timer.step_s, self.config.step_scheduler.agreement_interval_s) if self._auto_cadence and self.ctx.rank == 0 else 0
+        """``auto`` on rank 0: the steps of ``agreement_interval_s`` (or of 2 measured rounds, if longer); 0: no proposal (not auto, rank 0, a step time)."""
+        interval_s = max(self.config.step_scheduler.agreement_interval_s, 2 * self._agreement.round_s)  # so no update waits for a round
+        return auto_cadence(self.timer.step_s, interval_s) if self._auto_cadence and self.ctx.rank == 0 else 0
 
     def _stop(self, step: int, when: str, *, save: bool) -> None:
         """Every rank stops at ``step``: save it (unless already saved), publish, exit PREEMPTED."""

@@ -36,6 +36,11 @@ class StepSchedulerConfig:
     agreement_interval_s: float = 0.1
     """With ``agreement_every_steps: auto``, the target time between agreement rounds, in seconds
     (default 0.1: a stop within ~0.2 s)."""
+    agreement_nodes: str = "auto"
+    """How a stop-agreement round combines the ranks: ``auto`` (default) runs it on node-local groups
+    plus a group of node leaders when the launcher's environment (``GROUP_RANK``, ``SLURM_NODEID``)
+    puts the ranks on 2+ nodes with 2+ ranks on a node (about ``3(L-1) + 2(N/L-1)`` sequential hops
+    instead of gloo's ring of ``2(N-1)``), else one all-reduce; ``flat``: always one all-reduce."""
     global_batch_size: int | None = None
     """Samples per optimizer step over all ranks (MindSpore ``training.global_batch_size``); default null:
     the loader's batch size summed over the ranks (null when it cannot be read). Recorded in each
@@ -73,6 +78,8 @@ class StepSchedulerConfig:
                 raise ConfigError(f"{exc}; accepted: an integer >= 1 or auto") from None
         if isinstance(self.agreement_interval_s, bool) or not isinstance(self.agreement_interval_s, (int, float)) or self.agreement_interval_s <= 0:
             raise ConfigError(f"step_scheduler.agreement_interval_s: expected seconds > 0, got {self.agreement_interval_s!r}")
+        if self.agreement_nodes not in ("auto", "flat"):
+            raise ConfigError(f"step_scheduler.agreement_nodes: {self.agreement_nodes!r}; accepted: auto, flat")
         # Parsed now so a bad spec fails at config time, before any training; re-raised as
         # ConfigError so callers need to catch one type for every bad value.
         try:

@@ -6,15 +6,24 @@ stop after the same step, or the ones still stepping wait forever in the trainin
 non-blocking at one step boundary and read at the next, so the per-step path never blocks on a
 collective that had less than a whole cadence to finish (measured on 2 CPU ranks: a blocking
 all-reduce every step costs 2-8 % of a 20-40 ms step; this pattern about a quarter of that).
+
+At scale the round itself is the cost: gloo's ring all-reduce takes ``2(N - 1)`` sequential hops,
+past a 0.1 s cadence at thousands of ranks. When the ranks span several nodes, with several ranks
+on a node, the MAX runs on node-local groups plus a group of node leaders instead
+(:mod:`resilience.stop.node_groups`; bench/agreement.py measures the hop and prints both costs).
 """
 
 from __future__ import annotations
 
 import operator
+import os
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from resilience.stop.node_groups import NodeGroups, node_key
 
 
 def _reason(value: Any, what: str) -> int:
@@ -60,7 +69,16 @@ class StopAgreement:
     MAX over ranks of what :meth:`update` got as ``propose_every_steps``; the loop proposes on
     rank 0 only, from its measured step time, and 0 elsewhere). Every rank reads the same
     proposal at the same step and switches to it there, so the ranks stay in lockstep; the
-    latency bound above then holds with ``k`` the larger of the old and new cadence.
+    latency bound above then holds with ``k`` the larger of the old and new cadence. With
+    ``adaptive`` the constructor also times a few blocking rounds (:attr:`round_s`), so that the
+    proposer can keep a round's time under the time between rounds: then the round a boundary
+    reads has finished, and :meth:`update` never waits for it, however long rounds are at scale.
+
+    Node groups (``nodes="auto"``, the default): when ``group`` spans every rank and the launcher's
+    environment places them on 2+ nodes with 2+ ranks on some node, each round is a MAX within the
+    node, among the node leaders, and a broadcast back (:class:`~resilience.stop.node_groups.NodeGroups`),
+    with the same rounds at the same steps, so the same stop step; otherwise (``nodes="flat"``,
+    one node, one rank per node, a rank without node information) one all-reduce on ``group``.
 
     Local mode: with ``group=None`` and torch.distributed not initialised there are no
     collectives; :meth:`update` returns the sticky local flag at once (any step, no cadence).
@@ -76,20 +94,27 @@ class StopAgreement:
             the constructor checks it with one blocking all-reduce and raises ``ValueError`` on
             every rank if not. The per-step cost (about one small all-reduce, see module doc)
             is divided by ``k``; the latency above grows with it.
+        nodes: ``"auto"`` (node groups where they help, see above) or ``"flat"``.
+        timeout_s: seconds bounding each collective on the node groups (``None``: torch's
+            default); pass the timeout ``group`` was made with so a dead peer fails a round alike.
 
     Raises:
         TypeError: ``every_steps`` is not an int.
-        ValueError: ``every_steps < 1``, or differs between ranks.
+        ValueError: ``every_steps < 1``, or differs between ranks, or ``nodes`` is not one of the above.
 
     All ranks must call :meth:`update` at the same sequence of ``global_step`` values, and
     :meth:`drain`, :meth:`agree_now` and :meth:`close` at the same points.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, every_steps: int = 1, adaptive: bool = False) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, *, every_steps: int = 1, adaptive: bool = False, nodes: str = "auto", timeout_s: float | None = None
+    ) -> None:
         if isinstance(every_steps, bool) or not isinstance(every_steps, int):
             raise TypeError(f"every_steps: expected an int >= 1, got {every_steps!r} ({type(every_steps).__name__})")
         if every_steps < 1:
             raise ValueError(f"every_steps: must be >= 1, got {every_steps}")
+        if nodes not in ("auto", "flat"):
+            raise ValueError(f"nodes: expected 'auto' or 'flat', got {nodes!r}")
         self._every = every_steps
         self._adaptive = adaptive
         self._owns_group = False
@@ -97,23 +122,54 @@ class StopAgreement:
             group = dist.new_group(backend="gloo")  # collective: every rank makes the same call
             self._owns_group = True
         self._group = group
+        self._nodes: NodeGroups | None = None
         self._local = 0  # sticky MAX of every local_stop seen
         self._agreed = 0  # final once > 0
         self._work: Any = None  # the in-flight all-reduce, or None
         self._buf = torch.zeros(2, dtype=torch.int64)  # [stop code, proposed cadence]
         self._closed = False
+        self._round_s = 0.0
         if self._group is not None:
             try:
-                self._check_same_cadence()
+                if nodes == "auto" and dist.get_world_size(self._group) == dist.get_world_size() > 1:
+                    self._check_same_cadence_and_find_nodes(timeout_s)
+                else:
+                    self._check_same_cadence()
+                if adaptive:
+                    self._round_s = self._time_rounds()
             except BaseException:
                 if self._owns_group:
                     dist.destroy_process_group(self._group)
                 raise
 
+    def _time_rounds(self, rounds: int = 3) -> float:
+        """The slowest of ``rounds`` blocking rounds on this rank, in seconds, after one untimed
+        round (it makes the connections when gloo connects lazily)."""
+        probe = torch.zeros(2, dtype=torch.int64)
+        self._wait(self._start(probe))
+        slowest = 0.0
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            self._wait(self._start(probe))
+            slowest = max(slowest, time.perf_counter() - t0)
+        return slowest
+
     def _check_same_cadence(self) -> None:
         both = torch.tensor([self._every, -self._every], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._group)
-        high, low = int(both[0]), -int(both[1])
+        self._raise_unless_same(int(both[0]), -int(both[1]))
+
+    def _check_same_cadence_and_find_nodes(self, timeout_s: float | None) -> None:
+        """One all-gather of (node, cadence) from every rank: the same list everywhere, so the same
+        decision (node groups or flat) and the same cadence error on every rank."""
+        mine = torch.tensor([node_key(os.environ), self._every], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(rows, mine, group=self._group)
+        cadences = [int(row[1]) for row in rows]
+        self._raise_unless_same(max(cadences), min(cadences))
+        self._nodes = NodeGroups.build([int(row[0]) for row in rows], dist.get_rank(), timeout_s)
+
+    def _raise_unless_same(self, high: int, low: int) -> None:
         if high != low:
             raise ValueError(f"every_steps: must be equal on all ranks, got values from {low} to {high} (this rank: {self._every})")
 
@@ -131,6 +187,17 @@ class StopAgreement:
     def group(self) -> dist.ProcessGroup | None:
         """The gloo group used (``None`` in local mode)."""
         return self._group
+
+    @property
+    def round_s(self) -> float:
+        """Seconds one round took at construction with ``adaptive`` (the slowest of 3 on this rank,
+        after a first that connects); 0.0 without ``adaptive`` or in local mode."""
+        return self._round_s
+
+    @property
+    def node_groups(self) -> NodeGroups | None:
+        """The node-local and leader groups each round runs on (``None``: one flat all-reduce)."""
+        return self._nodes
 
     @property
     def agreed(self) -> int:
@@ -182,15 +249,27 @@ class StopAgreement:
                 return result
         self._buf[0] = self._local
         self._buf[1] = max(0, int(propose_every_steps)) if self._adaptive else 0
-        self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._work = self._start(self._buf)
         return 0
 
+    def _start(self, tensor: torch.Tensor) -> Any:
+        """Begin ``tensor = MAX over ranks`` in place: a gloo work or a future (node groups)."""
+        if self._nodes is not None:
+            return self._nodes.start(tensor)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+
     def _read(self) -> int:
-        self._work.wait()
-        self._work = None
+        work, self._work = self._work, None
+        self._wait(work)
         if self._adaptive and int(self._buf[1]) >= 1:
             self._every = int(self._buf[1])  # the same value at the same step on every rank
         return int(self._buf[0])
+
+    def _wait(self, work: Any) -> None:
+        if self._nodes is not None:
+            work.result()  # re-raises a failed round (a dead peer past the timeout)
+        else:
+            work.wait()
 
     def drain(self) -> int:
         """Wait for the in-flight all-reduce, if any, and return the agreed code (0 = none).
@@ -218,6 +297,9 @@ class StopAgreement:
             self._closed = True
             self._work = None
             group, self._group = self._group, None
+            nodes, self._nodes = self._nodes, None
+            if nodes is not None:
+                nodes.close()
             if self._owns_group and group is not None and dist.is_initialized():
                 dist.destroy_process_group(group)
 
@@ -233,7 +315,10 @@ class StopAgreement:
         if self._group is None:
             return code
         value = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
+        if self._nodes is not None:
+            self._nodes.start(value).result()  # queued after a round in flight, as gloo orders its own
+        else:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
         return int(value[0])
 
     def _check_open(self) -> None:

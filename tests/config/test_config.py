@@ -65,6 +65,7 @@ def test_defaults_without_file_or_with_empty_sections(tmp_path):
         assert cfg.step_scheduler.max_steps is None
         assert cfg.step_scheduler.ckpt_every_steps is None
         assert cfg.step_scheduler.agreement_every_steps == "auto" and cfg.step_scheduler.agreement_interval_s == 0.1
+        assert cfg.step_scheduler.agreement_nodes == "auto"
         assert cfg.step_scheduler.signals == (signal.SIGTERM,)
         assert cfg.checkpoint == CheckpointConfig()
         assert cfg.checkpoint.enabled is True and cfg.checkpoint.resume is True
@@ -168,6 +169,7 @@ _ERRORS = [
     pytest.param(["step_scheduler.max_steps=-3"], None, ["step_scheduler.max_steps", ">= 1"], id="negative-max-steps"),
     pytest.param(["step_scheduler.ckpt_every_steps=0"], None, ["step_scheduler.ckpt_every_steps", ">= 1"], id="zero-ckpt-every"),
     pytest.param(["step_scheduler.agreement_every_steps=-1"], None, ["step_scheduler.agreement_every_steps", ">= 1"], id="negative-agreement"),
+    pytest.param(["step_scheduler.agreement_nodes=ring"], None, ["step_scheduler.agreement_nodes", "auto, flat"], id="agreement-nodes"),
     pytest.param(["step_scheduler.preemption_signal=SIGFOO"], None, ["step_scheduler.preemption_signal", "unknown signal"], id="unknown-signal"),
     pytest.param(["step_scheduler.preemption_signal=KILL"], None, ["step_scheduler.preemption_signal", "cannot be caught"], id="uncatchable-signal"),
     pytest.param(["step_scheduler.preemption_signal=true"], None, ["step_scheduler.preemption_signal", "bool"], id="bool-signal"),

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -183,32 +181,9 @@ def worker(rank: int, port: int, out_path: str) -> None:
 def ranks(tmp_path_factory):
     """Run all scenarios on 2 real gloo ranks; return each rank's JSON report, indexed by rank."""
     tmp = tmp_path_factory.mktemp("agreement")
-    from resilience.launch import resolve_master_port  # here: the worker mode imports only what it runs
+    from gloo_ranks import run_worker_ranks  # here: the worker mode imports only what it runs
 
-    port = resolve_master_port(None, {})  # a port free on this machine now
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "worker", str(r), str(port), str(tmp / f"rank{r}.json")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=50)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for r, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {r} exited {proc.returncode}:\n{logs[r][-4000:]}"
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_worker_ranks(__file__, WORLD, tmp, timeout=50)
 
 
 def _stop_step(results):
