@@ -33,10 +33,12 @@ test: lint
 	$(PY) -m pytest
 
 # Twice: on the machine as it is, then beside one CPU-busy process (bench/results/latest.json: loaded.*);
-# then the save and resume at 8 to 8,192 simulated ranks (bench/results/scale.json, ~30 min, at low priority).
+# then the save and resume at 8 to 8,192 simulated ranks (bench/results/scale.json, ~30 min, at low priority);
+# then the stop agreement's round at 1,024 and 8,192 ranks from a gloo hop measured here (bench/results/agreement.json).
 bench: $(STAMP)
 	$(PY) -m bench --load
 	nice -n 19 $(PY) -m bench.scale
+	$(PY) -m bench.agreement
 
 clean:
 	rm -rf $(VENV) runs

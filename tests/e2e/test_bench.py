@@ -301,3 +301,24 @@ def test_quick_scale_bench_writes_every_figure_per_mode_and_rank_count_with_cons
     # DDP: every rank reads every model and optimizer file (N x read amplification); FSDP2: about its share
     assert doc["ddp"]["64"]["replicated_bytes"] > 0.95 * total
     assert doc["fsdp2"]["64"]["resume_read_bytes_per_rank"] < 4 * total / 64
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_quick_agreement_bench_measures_a_gloo_hop_and_models_both_schemes_at_scale(tmp_path):
+    from resilience.stop.node_groups import ring_hops
+
+    out = tmp_path / "agreement.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.agreement", "--quick", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=390)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    doc = json.loads(out.read_text())
+    assert set(doc["measured"]) == {"2", "4"} and doc["hop_s"]["median"] > 0 and doc["hop_s"]["n"] == 3
+    assert doc["measured"]["4"]["node_groups"]["round_s"]["median"] > 0  # the library's own round, on 2 "nodes"
+    hop = doc["hop_s"]
+    for n in ("1024", "8192"):
+        flat, grouped = doc["model"][n]["flat"], doc["model"][n]["node_groups"]
+        assert (flat["hops"], grouped["hops"]) == (ring_hops(int(n)), ring_hops(int(n), 8))
+        assert flat["round_s"]["median"] == pytest.approx(hop["median"] * flat["hops"])
+        assert flat["round_s"]["ci_low"] <= flat["round_s"]["median"] <= flat["round_s"]["ci_high"]
+        assert grouped["round_s"]["median"] < flat["round_s"]["median"] / 7  # 8 per node: ~8x fewer hops
+    assert any(line.startswith("| 8192 | node_groups |") for line in proc.stdout.splitlines()), proc.stdout
