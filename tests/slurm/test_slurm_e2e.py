@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 import runs  # examples/digits/runs.py (conftest puts it on sys.path)
-from resilience import cli
+from resilience import ExitCode, cli
 from slurm_cluster import TERMINAL_STATES, SlurmCluster, pid_alive, wait_for
 
 pytestmark = pytest.mark.slurm
@@ -463,6 +463,28 @@ def scenario_mn_kill_requeue(c: Campaign) -> Job:
     return _killed_mid_run(c.submit2("mn_kill_requeue", f"step_scheduler.num_epochs={E_SHORT}", EVERY_10, *overrides), 1)
 
 
+def scenario_guard(c: Campaign) -> Job:
+    """checkpoint.max_preemptions_without_progress=1: each attempt holds its launch 5 s
+    (RESILIENCE_TEST_PRELAUNCH_SLEEP); USR1 then stops it before the ranks' first step (no
+    checkpoint), the job requeues, and the next start trips the guard (exit 76, not requeued).
+    On n2 in partition high, beside kill_in_job: mostly waiting, it needs no CPU of the one-node
+    cluster's timing-sensitive jobs. The stop is held for the ranks (slurm.signal_hold_timeout)
+    longer than a loaded machine takes to start them, so they always stop through the stop file
+    at their first step, which the guard counts, and are never ended by the held signal."""
+    overrides = (
+        "slurm.partition=high",
+        "slurm.sbatch_extra=[--nodelist=n2]",
+        "slurm.signal_hold_timeout=240",
+        "checkpoint.max_preemptions_without_progress=1",
+        "slurm.max_restarts=5",
+    )
+    job = c.submit2("guard", *overrides, env={"RESILIENCE_TEST_PRELAUNCH_SLEEP": "5"})
+    job.wait_log(r"^resilience: trap installed", 90)
+    job.scancel_usr1()
+    job.info = job.wait_end(state="FAILED", timeout=200)
+    return job
+
+
 def scenario_preempt(c: Campaign) -> Job:
     """Ours in partition debug on node n1, holding 6 of its 8 CPUs; then a job in partition high
     (higher PriorityTier) asking for 4 CPUs there. The two-node jobs running meanwhile hold at
@@ -499,9 +521,10 @@ SCENARIOS: dict[str, Callable[[Campaign], object]] = {  # started in this order
     "kill_in_job": scenario_kill_in_job,
     "mn_kill_in_job": scenario_mn_kill_in_job,
     "mn_kill_requeue": scenario_mn_kill_requeue,
+    "guard": scenario_guard,
 }
 ONE_NODE = {"check_probe", "timelimit", "scancel", "array", "limit"}
-TWO_NODES = {"mn_scancel", "mn_prelaunch", "preempt", "kill_in_job", "mn_kill_in_job", "mn_kill_requeue"}
+TWO_NODES = {"mn_scancel", "mn_prelaunch", "preempt", "kill_in_job", "mn_kill_in_job", "mn_kill_requeue", "guard"}
 
 
 class Campaign:
@@ -568,6 +591,7 @@ NEEDS = {
         "ref_short",
     },
     "test_multinode_a_rank_killed_on_the_second_node_ends_both_nodes_at_once_requeues_and_completes_exactly": {"mn_kill_requeue", "ref_short"},
+    "test_a_job_that_makes_no_progress_stops_requeueing_with_76": {"guard"},
 }
 
 
@@ -783,3 +807,17 @@ def test_multinode_a_rank_killed_on_the_second_node_ends_both_nodes_at_once_requ
     assert "training done; exit 0" in second
     assert job.leftovers == [], job.leftovers
     assert_exact(job, campaign.result("ref_short"))
+
+
+@pytest.mark.timeout(300)
+def test_a_job_that_makes_no_progress_stops_requeueing_with_76(campaign: Campaign) -> None:
+    """The requeue-loop guard (checkpoint.max_preemptions_without_progress, clean preemptions
+    bounded apart from failed starts): a job that keeps being stopped before it can save anything
+    new ends with NO_PROGRESS (76) instead of requeueing forever."""
+    job = campaign.result("guard")
+    log = job.log()
+    assert job.info.get("ExitCode", "").startswith(f"{int(ExitCode.NO_PROGRESS)}:"), (job.info, log)
+    assert job.info.get("Restarts") == "1", job.info
+    assert len(attempts(log)) == 2, log
+    assert "NO_PROGRESS" in log and "not requeued" in log
+    assert not list(job.ckpt.glob("epoch_*")), "no attempt saved a checkpoint"
