@@ -4,7 +4,8 @@ Each scenario submits `resilience template slurm examples/digits/digits.yaml ...
 what users rely on: a stop signal (Slurm's own time-limit warning, ``scancel --batch``, real
 partition preemption) makes both ranks save the same step, the job requeues itself, resumes and
 finishes with weights bitwise equal to an uninterrupted run; array tasks requeue as
-``<array job id>_<task id>``; the restart limit ends the job with 77; no worker outlives its job;
+``<array job id>_<task id>``; the restart limit ends the job with 77; a job stopped before every
+first step ends with 76 (the requeue-loop guard); no worker outlives its job;
 on two nodes the signal is forwarded on the batch node only and the agreement stops the other.
 A rank SIGKILLed mid-run (issue 16): with ``slurm.in_job_restarts`` the ranks restart in the job
 (one node; and on two nodes both nodes' ranks together); without, both nodes' launchers end at
