@@ -486,6 +486,57 @@ def scenario_guard(c: Campaign) -> Job:
     return job
 
 
+HOLD_S = 5  # scenario_held_stop's slurm.signal_hold_timeout
+# A first attempt "trains" 60 s (longer than its test may take); a requeued one (SLURM_RESTART_COUNT
+# set) finishes at once. No torch, no resilient_loop(): it never handles SIGUSR1 nor reads the stop file.
+NO_LOOP_PROGRAM = """
+import os, sys, time
+attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+open(os.path.join(sys.argv[1], "started.%d" % attempt), "w").close()
+if attempt == 0:
+    time.sleep(60)
+    print("no-loop rank: trained to the end", flush=True)
+else:
+    print("no-loop rank: attempt %d finished" % (attempt + 1), flush=True)
+"""
+
+
+def scenario_held_stop(c: Campaign) -> Job:
+    """A program without resilient_loop() under the rendered template (issue 23 item 2):
+    ``scancel --batch --signal=USR1`` once it runs; the launcher holds the signal HOLD_S s, delivers
+    it (the default action ends the rank), exits 75 and the script requeues; the second attempt
+    finishes. On n2 in partition high (one CPU, no torch: nearly idle)."""
+    d = c.root / "held_stop"
+    d.mkdir()
+    program, config, script = d / "no_loop.py", d / "job.yaml", d / "job.sub"
+    program.write_text(NO_LOOP_PROGRAM)
+    config.write_text(
+        "step_scheduler:\n"
+        "  preemption_signal: SIGUSR1\n"
+        "checkpoint:\n"
+        f"  checkpoint_dir: {d / 'ck'}\n"
+        "slurm:\n"
+        f"  script: {program}\n"
+        f"  script_args: [{d}]\n"
+        f"  python: {sys.executable}\n"
+        "  partition: high\n"
+        "  sbatch_extra: [--nodelist=n2]\n"
+        "  cpus_per_task: 1\n"
+        "  time: '10'\n"
+        "  signal_lead_s: 60\n"
+        f"  signal_hold_timeout: {HOLD_S}\n"
+        f"  output: {d}/out-%j.txt\n"
+    )
+    assert cli.main(["template", "slurm", str(config), "-o", str(script)]) == 0
+    c.futures["id_gap"].result(timeout=120)
+    job = Job(c.cluster2, c.cluster2.sbatch(script, cwd=d), d, d / "ck")
+    c.track(job.cluster, job.id)
+    wait_for(lambda: (d / "started.0").exists() and "trap installed" in job.log(), 120, "the rank's start", job.log)
+    job.scancel_usr1()
+    job.info = job.wait_end(timeout=150)
+    return job
+
+
 def scenario_preempt(c: Campaign) -> Job:
     """Ours in partition debug on node n1, holding 6 of its 8 CPUs; then a job in partition high
     (higher PriorityTier) asking for 4 CPUs there. The two-node jobs running meanwhile hold at
@@ -523,9 +574,10 @@ SCENARIOS: dict[str, Callable[[Campaign], object]] = {  # started in this order
     "mn_kill_in_job": scenario_mn_kill_in_job,
     "mn_kill_requeue": scenario_mn_kill_requeue,
     "guard": scenario_guard,
+    "held_stop": scenario_held_stop,
 }
 ONE_NODE = {"check_probe", "timelimit", "scancel", "array", "limit"}
-TWO_NODES = {"mn_scancel", "mn_prelaunch", "preempt", "kill_in_job", "mn_kill_in_job", "mn_kill_requeue", "guard"}
+TWO_NODES = {"mn_scancel", "mn_prelaunch", "preempt", "kill_in_job", "mn_kill_in_job", "mn_kill_requeue", "guard", "held_stop"}
 
 
 class Campaign:
@@ -593,6 +645,7 @@ NEEDS = {
     },
     "test_multinode_a_rank_killed_on_the_second_node_ends_both_nodes_at_once_requeues_and_completes_exactly": {"mn_kill_requeue", "ref_short"},
     "test_a_job_that_makes_no_progress_stops_requeueing_with_76": {"guard"},
+    "test_a_program_without_resilient_loop_gets_the_held_signal_after_the_hold_and_the_job_requeues": {"held_stop"},
 }
 
 
@@ -822,3 +875,31 @@ def test_a_job_that_makes_no_progress_stops_requeueing_with_76(campaign: Campaig
     assert len(attempts(log)) == 2, log
     assert "NO_PROGRESS" in log and "not requeued" in log
     assert not list(job.ckpt.glob("epoch_*")), "no attempt saved a checkpoint"
+
+
+@pytest.mark.timeout(300)
+def test_a_program_without_resilient_loop_gets_the_held_signal_after_the_hold_and_the_job_requeues(campaign: Campaign, capsys) -> None:
+    """The batch shell used to wait for every rank to handle the signal before passing it to
+    ``resilience run``: the rank trained to its end and the job completed without ever being
+    stopped. Now the launcher gets it at once, holds it HOLD_S s, delivers it, exits 75 and the
+    script requeues; ``resilience status`` shows the delivery."""
+    job = campaign.result("held_stop")
+    text = job.log()
+    assert "trained to the end" not in text, text
+    assert "forwarded to resilience run (pid" in text, text
+    assert "warning: ranks [0] never became ready" in text and f"in the {HOLD_S} s the stop was held" in text, text
+    assert "preempted (exit 75); requeueing" in text and "attempt 2 finished" in text and "training done; exit 0" in text, text
+    assert job.info["Restarts"] == "1", job.info
+    pids = recorded_pids(job.dir)
+    assert pids and not [pid for pid in pids if pid_alive(pid) and f"SLURM_JOB_ID={job.id}".encode() in _environ(pid)], text
+    capsys.readouterr()
+    assert cli.main(["status", str(job.ckpt)]) == 0
+    status = capsys.readouterr().out
+    assert f"Stop signal held by resilience run: SIGUSR1 held {HOLD_S}" in status and "ranks [0]" in status, status
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
