@@ -7,6 +7,7 @@ detected, the ranks restart from LATEST and finish with the weights of an uninte
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -77,11 +78,20 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict:
+def uninterrupted(tmp_path_factory):
+    """``uninterrupted()``: the final weights of a fault-free run. The run starts in a thread when
+    the first test asks for it and trains while that test's ranks sit out their stalls (~12 s of
+    --progress-timeout), instead of ~5 s before it."""
     ckpt = tmp_path_factory.mktemp("uninterrupted") / "ck"
-    code, stderr, _ = run(ckpt)
-    assert code == 0, stderr
-    return final_weights(ckpt)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(run, ckpt)
+
+        def weights() -> dict:
+            code, stderr, _ = future.result(timeout=240)
+            assert code == 0, stderr
+            return final_weights(ckpt)
+
+        yield weights
 
 
 @pytest.mark.multiproc
@@ -106,7 +116,7 @@ def test_a_hang_a_sigkill_and_a_sigstop_each_restart_in_job_from_latest_and_fini
     # may pass another checkpoint before it is stopped again and ended)
     resumed = [int(step) for step in re.findall(r"rank 0: resumed from epoch_0_step_(\d+)", stderr)]
     assert resumed[:2] == [5, 15] and len(resumed) == 3 and resumed[2] >= 25, resumed
-    assert_bitwise_equal(final_weights(ckpt), uninterrupted)
+    assert_bitwise_equal(final_weights(ckpt), uninterrupted())
 
 
 @pytest.mark.multiproc
@@ -126,7 +136,7 @@ def test_without_restarts_a_hang_exits_75_within_the_timeout_and_the_next_start_
     code, stderr, _ = run(ckpt, env=env)  # the requeued start
     assert code == 0, stderr
     assert "rank 0: resumed from epoch_0_step_10" in stderr
-    assert_bitwise_equal(final_weights(ckpt), uninterrupted)
+    assert_bitwise_equal(final_weights(ckpt), uninterrupted())
 
 
 SHORT_S = 4  # --progress-timeout of the tests of how the job is judged: cheap, far above a tiny step
@@ -208,7 +218,7 @@ def test_two_nodes_a_rank_killed_on_the_second_node_restarts_both_nodes_together
     # node 0's rank is ended by node 1's record, or fails in its next collective first: either way it restarts too
     assert "restarting every local rank from LATEST (in-job restart 1 of 1)" in log0, log0
     assert "rank 0: resumed from epoch_0_step_10" in log0
-    assert_bitwise_equal(final_weights(ckpt), uninterrupted)
+    assert_bitwise_equal(final_weights(ckpt), uninterrupted())
 
 
 @pytest.mark.multiproc
@@ -228,7 +238,7 @@ def test_two_nodes_without_restarts_a_kill_on_one_node_ends_both_launchers_with_
     (code0, log0, _), (code1, _, _) = two_nodes(ckpt, attempt=1)  # the requeued job
     assert (code0, code1) == (0, 0), log0
     assert "rank 0: resumed from epoch_0_step_10" in log0
-    assert_bitwise_equal(final_weights(ckpt), uninterrupted)
+    assert_bitwise_equal(final_weights(ckpt), uninterrupted())
 
 
 @pytest.mark.timeout(120)

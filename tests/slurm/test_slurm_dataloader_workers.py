@@ -10,7 +10,9 @@ from that checkpoint and ends bitwise equal to an uninterrupted local run.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import sys
 import time
 
@@ -19,7 +21,7 @@ import pytest
 from resilience import cli
 from runs import compare
 from slurm_cluster import wait_for
-from worker_runs import HELPER, TOTAL_STEPS, run_to_end, worker_env
+from worker_runs import HELPER, TOTAL_STEPS, finish, launch_run, worker_env
 
 pytestmark = pytest.mark.slurm
 LINE_RE = re.compile(r"rank (\d+): exit (\d+), resumed from (\S+), stop step (\S+)")
@@ -45,6 +47,26 @@ def test_scancel_signal_term_to_a_job_step_with_dataloader_workers_saves_requeue
     script = tmp_path / "job.sub"
     assert cli.main(["template", "slurm", str(config), "-o", str(script)]) == 0
     env = {**slurm_cluster.env, "LOADER": "plain", "NUM_WORKERS": "2", "PERSISTENT": "1", "PAUSE_AT_STEP": "3", "OMP_NUM_THREADS": "1"}
+    # The uninterrupted local run trains while the job waits to start, for its release and for
+    # its requeue (~6 s), not after it.
+    reference = tmp_path / "reference"
+    (reference / "events").mkdir(parents=True)
+    uninterrupted = launch_run(reference / "ck", reference / "events", worker_env("plain", True), reference / "events" / "pids")
+    try:
+        _job_runs(slurm_cluster, script, tmp_path, env, ckpt, events)
+    except BaseException:
+        os.killpg(uninterrupted.pid, signal.SIGKILL)  # its own session: the ranks and workers too
+        uninterrupted.communicate()
+        raise
+    code, out = finish(uninterrupted)
+    assert code == 0, out
+    result = compare(ckpt, reference / "ck")
+    assert result.identical and result.steps == TOTAL_STEPS, result.detail
+
+
+def _job_runs(slurm_cluster, script, tmp_path, env, ckpt, events) -> None:
+    """Submit the job, stop it with TERM to its step in step 3, and check that it saved, requeued,
+    resumed from that step and finished."""
     job = slurm_cluster.sbatch(script, cwd=tmp_path, env=env)
 
     def log() -> str:
@@ -72,9 +94,3 @@ def test_scancel_signal_term_to_a_job_step_with_dataloader_workers_saves_requeue
     assert sorted(int(r[0]) for r in second) == [0, 1] and {r[2] for r in second} == {f"epoch_0_step_{stop_step}"}, text
     assert info["Restarts"] == "1", info
     assert "training done; exit 0" in text
-
-    reference = tmp_path / "reference"
-    code, out = run_to_end(reference / "ck", reference / "events", worker_env("plain", True))
-    assert code == 0, out
-    result = compare(ckpt, reference / "ck")
-    assert result.identical and result.steps == TOTAL_STEPS, result.detail

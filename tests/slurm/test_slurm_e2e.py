@@ -4,7 +4,8 @@ Each scenario submits `resilience template slurm examples/digits/digits.yaml ...
 what users rely on: a stop signal (Slurm's own time-limit warning, ``scancel --batch``, real
 partition preemption) makes both ranks save the same step, the job requeues itself, resumes and
 finishes with weights bitwise equal to an uninterrupted run; array tasks requeue as
-``<array job id>_<task id>``; the restart limit ends the job with 77; no worker outlives its job;
+``<array job id>_<task id>``; the restart limit ends the job with 77; a job stopped before every
+first step ends with 76 (the requeue-loop guard); no worker outlives its job;
 on two nodes the signal is forwarded on the batch node only and the agreement stops the other.
 A rank SIGKILLed mid-run (issue 16): with ``slurm.in_job_restarts`` the ranks restart in the job
 (one node; and on two nodes both nodes' ranks together); without, both nodes' launchers end at
@@ -41,7 +42,7 @@ from pathlib import Path
 import pytest
 
 import runs  # examples/digits/runs.py (conftest puts it on sys.path)
-from resilience import cli
+from resilience import ExitCode, cli
 from slurm_cluster import TERMINAL_STATES, SlurmCluster, pid_alive, wait_for
 
 pytestmark = pytest.mark.slurm
@@ -463,6 +464,79 @@ def scenario_mn_kill_requeue(c: Campaign) -> Job:
     return _killed_mid_run(c.submit2("mn_kill_requeue", f"step_scheduler.num_epochs={E_SHORT}", EVERY_10, *overrides), 1)
 
 
+def scenario_guard(c: Campaign) -> Job:
+    """checkpoint.max_preemptions_without_progress=1: each attempt holds its launch 5 s
+    (RESILIENCE_TEST_PRELAUNCH_SLEEP); USR1 then stops it before the ranks' first step (no
+    checkpoint), the job requeues, and the next start trips the guard (exit 76, not requeued).
+    On n2 in partition high, beside kill_in_job: mostly waiting, it needs no CPU of the one-node
+    cluster's timing-sensitive jobs. The stop is held for the ranks (slurm.signal_hold_timeout)
+    longer than a loaded machine takes to start them, so they always stop through the stop file
+    at their first step, which the guard counts, and are never ended by the held signal."""
+    overrides = (
+        "slurm.partition=high",
+        "slurm.sbatch_extra=[--nodelist=n2]",
+        "slurm.signal_hold_timeout=240",
+        "checkpoint.max_preemptions_without_progress=1",
+        "slurm.max_restarts=5",
+    )
+    job = c.submit2("guard", *overrides, env={"RESILIENCE_TEST_PRELAUNCH_SLEEP": "5"})
+    job.wait_log(r"^resilience: trap installed", 90)
+    job.scancel_usr1()
+    job.info = job.wait_end(state="FAILED", timeout=200)
+    return job
+
+
+HOLD_S = 5  # scenario_held_stop's slurm.signal_hold_timeout
+# A first attempt "trains" 60 s (longer than its test may take); a requeued one (SLURM_RESTART_COUNT
+# set) finishes at once. No torch, no resilient_loop(): it never handles SIGUSR1 nor reads the stop file.
+NO_LOOP_PROGRAM = """
+import os, sys, time
+attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+open(os.path.join(sys.argv[1], "started.%d" % attempt), "w").close()
+if attempt == 0:
+    time.sleep(60)
+    print("no-loop rank: trained to the end", flush=True)
+else:
+    print("no-loop rank: attempt %d finished" % (attempt + 1), flush=True)
+"""
+
+
+def scenario_held_stop(c: Campaign) -> Job:
+    """A program without resilient_loop() under the rendered template (issue 23 item 2):
+    ``scancel --batch --signal=USR1`` once it runs; the launcher holds the signal HOLD_S s, delivers
+    it (the default action ends the rank), exits 75 and the script requeues; the second attempt
+    finishes. On n2 in partition high (one CPU, no torch: nearly idle)."""
+    d = c.root / "held_stop"
+    d.mkdir()
+    program, config, script = d / "no_loop.py", d / "job.yaml", d / "job.sub"
+    program.write_text(NO_LOOP_PROGRAM)
+    config.write_text(
+        "step_scheduler:\n"
+        "  preemption_signal: SIGUSR1\n"
+        "checkpoint:\n"
+        f"  checkpoint_dir: {d / 'ck'}\n"
+        "slurm:\n"
+        f"  script: {program}\n"
+        f"  script_args: [{d}]\n"
+        f"  python: {sys.executable}\n"
+        "  partition: high\n"
+        "  sbatch_extra: [--nodelist=n2]\n"
+        "  cpus_per_task: 1\n"
+        "  time: '10'\n"
+        "  signal_lead_s: 60\n"
+        f"  signal_hold_timeout: {HOLD_S}\n"
+        f"  output: {d}/out-%j.txt\n"
+    )
+    assert cli.main(["template", "slurm", str(config), "-o", str(script)]) == 0
+    c.futures["id_gap"].result(timeout=120)
+    job = Job(c.cluster2, c.cluster2.sbatch(script, cwd=d), d, d / "ck")
+    c.track(job.cluster, job.id)
+    wait_for(lambda: (d / "started.0").exists() and "trap installed" in job.log(), 120, "the rank's start", job.log)
+    job.scancel_usr1()
+    job.info = job.wait_end(timeout=150)
+    return job
+
+
 def scenario_preempt(c: Campaign) -> Job:
     """Ours in partition debug on node n1, holding 6 of its 8 CPUs; then a job in partition high
     (higher PriorityTier) asking for 4 CPUs there. The two-node jobs running meanwhile hold at
@@ -499,9 +573,11 @@ SCENARIOS: dict[str, Callable[[Campaign], object]] = {  # started in this order
     "kill_in_job": scenario_kill_in_job,
     "mn_kill_in_job": scenario_mn_kill_in_job,
     "mn_kill_requeue": scenario_mn_kill_requeue,
+    "guard": scenario_guard,
+    "held_stop": scenario_held_stop,
 }
 ONE_NODE = {"check_probe", "timelimit", "scancel", "array", "limit"}
-TWO_NODES = {"mn_scancel", "mn_prelaunch", "preempt", "kill_in_job", "mn_kill_in_job", "mn_kill_requeue"}
+TWO_NODES = {"mn_scancel", "mn_prelaunch", "preempt", "kill_in_job", "mn_kill_in_job", "mn_kill_requeue", "guard", "held_stop"}
 
 
 class Campaign:
@@ -568,6 +644,8 @@ NEEDS = {
         "ref_short",
     },
     "test_multinode_a_rank_killed_on_the_second_node_ends_both_nodes_at_once_requeues_and_completes_exactly": {"mn_kill_requeue", "ref_short"},
+    "test_a_job_that_makes_no_progress_stops_requeueing_with_76": {"guard"},
+    "test_a_program_without_resilient_loop_gets_the_held_signal_after_the_hold_and_the_job_requeues": {"held_stop"},
 }
 
 
@@ -783,3 +861,45 @@ def test_multinode_a_rank_killed_on_the_second_node_ends_both_nodes_at_once_requ
     assert "training done; exit 0" in second
     assert job.leftovers == [], job.leftovers
     assert_exact(job, campaign.result("ref_short"))
+
+
+@pytest.mark.timeout(300)
+def test_a_job_that_makes_no_progress_stops_requeueing_with_76(campaign: Campaign) -> None:
+    """The requeue-loop guard (checkpoint.max_preemptions_without_progress, clean preemptions
+    bounded apart from failed starts): a job that keeps being stopped before it can save anything
+    new ends with NO_PROGRESS (76) instead of requeueing forever."""
+    job = campaign.result("guard")
+    log = job.log()
+    assert job.info.get("ExitCode", "").startswith(f"{int(ExitCode.NO_PROGRESS)}:"), (job.info, log)
+    assert job.info.get("Restarts") == "1", job.info
+    assert len(attempts(log)) == 2, log
+    assert "NO_PROGRESS" in log and "not requeued" in log
+    assert not list(job.ckpt.glob("epoch_*")), "no attempt saved a checkpoint"
+
+
+@pytest.mark.timeout(300)
+def test_a_program_without_resilient_loop_gets_the_held_signal_after_the_hold_and_the_job_requeues(campaign: Campaign, capsys) -> None:
+    """The batch shell used to wait for every rank to handle the signal before passing it to
+    ``resilience run``: the rank trained to its end and the job completed without ever being
+    stopped. Now the launcher gets it at once, holds it HOLD_S s, delivers it, exits 75 and the
+    script requeues; ``resilience status`` shows the delivery."""
+    job = campaign.result("held_stop")
+    text = job.log()
+    assert "trained to the end" not in text, text
+    assert "forwarded to resilience run (pid" in text, text
+    assert "warning: ranks [0] never became ready" in text and f"in the {HOLD_S} s the stop was held" in text, text
+    assert "preempted (exit 75); requeueing" in text and "attempt 2 finished" in text and "training done; exit 0" in text, text
+    assert job.info["Restarts"] == "1", job.info
+    pids = recorded_pids(job.dir)
+    assert pids and not [pid for pid in pids if pid_alive(pid) and f"SLURM_JOB_ID={job.id}".encode() in _environ(pid)], text
+    capsys.readouterr()
+    assert cli.main(["status", str(job.ckpt)]) == 0
+    status = capsys.readouterr().out
+    assert f"Stop signal held by resilience run: SIGUSR1 held {HOLD_S}" in status and "ranks [0]" in status, status
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import submitit
 import submitit_launch
 from resilience import ExitCode
 from resilience.integrations.submitit import ResilientTask, TaskExitError, exit_code_of, submitit_preemption_signal
-from runs import CONFIG, TRAIN, _rows, compare
+from runs import TRAIN, _rows, compare
 from slurm_cluster import pid_alive, slurm_cluster, wait_for  # noqa: F401  (session fixture, used by name)
 
 TESTS_DIR = Path(__file__).resolve().parent  # this module, imported by name in the job processes
@@ -210,37 +211,75 @@ def test_signal_before_the_loop_is_requeued_by_submitit_at_once(tmp_path, local_
 
 
 # -- the real local Slurm cluster: Slurm's own time-limit signal --------------------------------
-def _seconds_per_step() -> float:
-    """This machine's digits step time (s), measured in-process as the difference of two short runs
-    (start-up cost cancels), so the Slurm test trains long enough to be interrupted."""
-    from train import main
+SLURM_EPOCHS = 100  # 2,200 steps of ~2 ms: the task is paused (SIGSTOP) long before its end
 
-    def timed(epochs: int) -> float:
-        t0 = time.perf_counter()
-        assert main(["--config", str(CONFIG), "checkpoint.enabled=false", "step_scheduler.preemption_signal=null", f"step_scheduler.num_epochs={epochs}"]) == 0
-        return time.perf_counter() - t0
 
-    timed(2)  # warm-up
-    # The faster of two long runs: over-estimating the step time would make the training too short.
-    return max(1e-4, (min(timed(25), timed(25)) - timed(5)) / (20 * STEPS_PER_EPOCH))
+def _signal_pending(pid: int, signum: int) -> bool:
+    """Whether ``signum`` waits to be delivered to the (stopped) process ``pid`` (/proc status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    bit = 1 << (signum - 1)
+    return any(int(m.group(1), 16) & bit for m in re.finditer(r"^(?:SigPnd|ShdPnd):\s+([0-9a-f]+)$", status, re.M))
+
+
+def _start_time(info: dict) -> float:
+    """The job's StartTime (``scontrol show job``, local time, 1 s resolution) as a Unix time; now
+    when Slurm does not say."""
+    try:
+        return time.mktime(time.strptime(info.get("StartTime", ""), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return time.time()
 
 
 @pytest.mark.slurm
 @pytest.mark.timeout(240)
-def test_slurm_time_limit_signal_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, monkeypatch):  # noqa: F811
+def test_slurm_time_limit_signal_saves_requeues_and_resumes_exactly(slurm_cluster, tmp_path, monkeypatch, local_job_env):  # noqa: F811
     monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
     monkeypatch.setenv("PATH", slurm_cluster.env["PATH"])  # its sacct wrapper lets submitit see job states
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # `--time=1 --signal=USR2@50`: Slurm checks time limits every 30 s, so USR2 arrives 11-29 s
-    # after the start. Train for ~38 s so the first run is surely still training then.
-    epochs = min(4000, max(200, round(38.0 / (_seconds_per_step() * STEPS_PER_EPOCH))))
+    # after the start. Once the task trains (its handler is installed) it is paused with SIGSTOP
+    # until the signal is pending, then continued: it takes the signal mid-training at its next
+    # step, however long the wait for Slurm's check, without training ~38 s to stay ahead of it.
+    epochs = SLURM_EPOCHS
     total_steps = epochs * STEPS_PER_EPOCH
     overrides = [f"step_scheduler.num_epochs={epochs}", "step_scheduler.ckpt_every_steps=null"]
+    markers = tmp_path / "markers"
+    markers.mkdir()
     ck, ref = tmp_path / "ck", tmp_path / "ref"
     t0 = time.monotonic()
     reference = _start_reference(ref, overrides)
-    job = submitit_launch.submit(tmp_path / "submitit" / "%j", ck, timeout_min=1, signal_delay_s=50, max_num_timeout=3, overrides=overrides)
+    job = submitit_launch.submit(
+        tmp_path / "submitit" / "%j",
+        ck,
+        timeout_min=1,
+        signal_delay_s=50,
+        max_num_timeout=3,
+        overrides=overrides,
+        fn=functools.partial(digits_with_pid, str(markers)),
+    )
     try:
+        pid0 = wait_for(lambda: _read_pid(markers, 0), 90, "attempt 0 started", poll=0.02)
+        paused_at = wait_for(lambda: len(_rows(ck)) >= 5 and len(_rows(ck)), 60, "5 steps logged", poll=0.02)
+        os.kill(pid0, signal.SIGSTOP)  # at step paused_at or a little later
+        usr2 = submitit.JobEnvironment._usr_sig()
+        # Slurm sends the warning by 40 s after the start. A signal taken before the pause (a slow
+        # start on a loaded machine) is pending no more: the task saved, the job is being requeued
+        # and Slurm ends the task; else it is continued at 45 s at the latest (the limit is at 60).
+        started = _start_time(slurm_cluster.job_info(job.job_id))
+        try:
+            wait_for(
+                lambda: _signal_pending(pid0, usr2) or not pid_alive(pid0) or time.time() > started + 45,
+                60,
+                f"USR2 pending for pid {pid0}",
+                poll=0.05,
+            )
+        finally:
+            try:
+                os.kill(pid0, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # ended by the requeue of a signal taken before the pause
 
         def requeued() -> bool:
             return job.done() or int(slurm_cluster.job_info(job.job_id).get("Restarts") or 0) >= 1
@@ -264,11 +303,11 @@ def test_slurm_time_limit_signal_saves_requeues_and_resumes_exactly(slurm_cluste
     assert "#SBATCH --signal=USR2@50" in job.paths.submission_file.read_text()
     saved = _preempted_steps(log)
     assert len(saved) == 1, f"expected one save on Slurm's signal ({total_steps} steps); log:\n{log[-3000:]}"
-    assert 0 < saved[0] < total_steps
+    assert paused_at <= saved[0] < total_steps
     assert log.count("Requeued job") == 1 and "attempt=1" in log  # submitit requeued after our save
     assert info.get("Restarts") == "1", info
     assert _checkpoint_steps(ck) == [saved[0], total_steps]
     assert log.count("Job completed successfully") == 1
     result = compare(ck, ref)
     assert result.identical, result.detail
-    print(f"\nsubmitit on Slurm: {epochs} epochs, saved step {saved[0]}, requeued after {t_requeued:.1f} s, {elapsed:.1f} s in all")
+    print(f"\nsubmitit on Slurm: {epochs} epochs, paused at step {paused_at}, saved step {saved[0]}, requeued after {t_requeued:.1f} s, {elapsed:.1f} s in all")
