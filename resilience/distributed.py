@@ -1,8 +1,9 @@
 """The run's distributed context: rank, world size, and one dedicated gloo group.
 
-All of our own collectives (stop agreement, checkpoint success/failure, file lists) go over a
-gloo group of their own, so they work when training uses NCCL and never interleave with the
-training's collectives on the default group. Without an initialised default process group the
+All of our own collectives (stop agreement, checkpoint success/failure, file lists) live here
+(each method's docstring says what each rank receives) and go over a gloo group of their own, so
+they work when training uses NCCL and never interleave with the training's collectives on the
+default group. Without an initialised default process group the
 context is local (rank 0 of 1) and every collective is the identity.
 """
 
@@ -11,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from resilience.env_names import COLLECTIVE_TIMEOUT_ENV
@@ -78,26 +81,92 @@ class DistContext:
         return self.group is not None and self.world_size > 1
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, indexed by rank (small, picklable objects only; save path only)."""
+        """Every rank's ``obj``, indexed by rank, on every rank (small, picklable objects only; each
+        rank receives N payloads padded to the largest: use :meth:`gather_to_root` when only rank
+        0 needs them)."""
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def gather_or_raise(self, error: str | None, payload: Any = None, *, fail: Callable[[str], BaseException]) -> list[Any]:
-        """Every rank's ``payload``, indexed by rank, or the same exception on every rank.
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of ``values`` (ints, the same length on every rank) over every
+        rank, on every rank: one all-reduce of ``len(values)`` int64s."""
+        if not self.distributed:
+            return list(values)
+        flags = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in flags.tolist()]
 
-        One all-gather of ``(payload, error)`` (a collective: every rank calls it, failed or not).
-        When any rank's ``error`` is set (a one-line description of its failure), every rank raises
-        ``fail(detail)``, ``detail`` being ``"rank R: error"`` of each failed rank joined by ``"; "``;
-        so a failure seen by one rank stops all of them at the same point.
+    def gather_to_root(self, obj: Any, *, largest: int | None = None) -> list[Any] | None:
+        """Every rank's ``obj`` (picklable), indexed by rank, on rank 0; ``None`` on the other ranks.
+
+        One gather to rank 0 of the pickled objects padded to the largest (``largest``: its size in
+        bytes when the caller has agreed on it already, else one :meth:`max_over_ranks` first):
+        rank 0 receives N payloads, every other rank nothing.
         """
-        gathered = self.all_gather_object((payload, error))
-        failed = [f"rank {rank}: {err}" for rank, (_, err) in enumerate(gathered) if err]
+        data = pickle.dumps(obj)
+        if not self.distributed:
+            return [obj]
+        if largest is None:
+            (largest,) = self.max_over_ranks([len(data)])
+        buffer = torch.zeros(largest, dtype=torch.uint8)
+        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        inbox = [torch.empty(largest, dtype=torch.uint8) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(buffer, inbox, group=self.group, group_dst=0)
+        if inbox is None:
+            return None
+        return [pickle.loads(item.numpy().tobytes()) for item in inbox]  # pickle ignores the padding
+
+    def gather_or_raise(self, error: str | None, payload: Any = None, *, fail: Callable[[str], BaseException]) -> list[Any]:
+        """Every rank's ``payload``, indexed by rank, on every rank, or the same exception on every rank.
+
+        A collective (every rank calls it, failed or not): one all-reduce of two flags (did any
+        rank fail? did any give a payload?). When any rank's ``error`` is set (a one-line
+        description of its failure), the errors are all-gathered and every rank raises
+        ``fail(detail)``, ``detail`` being ``"rank R: error"`` of each failed rank joined by ``"; "``;
+        so a failure seen by one rank stops all of them at the same point. Otherwise the payloads
+        are all-gathered only when some rank gave one: a healthy verdict moves 16 bytes per rank.
+        """
+        failed, given = self.max_over_ranks([int(bool(error)), int(payload is not None)])
         if failed:
-            raise fail("; ".join(failed))
-        return [item for item, _ in gathered]
+            self._raise_failed(error, fail)
+        if not given:
+            return [None] * (self.world_size if self.distributed else 1)
+        return self.all_gather_object(payload)
+
+    def gather_to_root_or_raise(self, error: str | None, payload: Any, *, fail: Callable[[str], BaseException]) -> list[Any] | None:
+        """Rank 0: every rank's ``payload``, indexed by rank; other ranks: ``None``; or the same
+        exception on every rank (``fail`` as in :meth:`gather_or_raise`).
+
+        One all-reduce of (failed anywhere?, largest pickled payload), then either the errors
+        all-gathered and raised everywhere, or one :meth:`gather_to_root` of the payloads: no rank
+        but 0 receives any rank's payload.
+        """
+        size = len(pickle.dumps(payload))
+        failed, largest = self.max_over_ranks([int(bool(error)), size])
+        if failed:
+            self._raise_failed(error, fail)
+        return self.gather_to_root(payload, largest=largest)
+
+    def verdict_from_root(self, error: str | None, share: Any = None, *, fail: Callable[[str], BaseException]) -> Any:
+        """Rank 0's ``share`` on every rank (``None`` from rank 0: nothing sent), or the same
+        exception on every rank when any rank's ``error`` is set (``fail`` as in :meth:`gather_or_raise`).
+
+        One all-reduce of (failed anywhere?, rank 0 has a share?), then the errors all-gathered on
+        failure, else rank 0's share broadcast when it has one: a healthy verdict without a share
+        moves 16 bytes per rank; with one, that share (it must not grow with N).
+        """
+        failed, shared = self.max_over_ranks([int(bool(error)), int(self.rank == 0 and share is not None)])
+        if failed:
+            self._raise_failed(error, fail)
+        return self.broadcast_object(share if self.rank == 0 else None) if shared else None
+
+    def _raise_failed(self, error: str | None, fail: Callable[[str], BaseException]) -> None:
+        """Every rank: all-gather the errors (some rank failed) and raise ``fail(detail)``."""
+        errors = self.all_gather_object(error)
+        raise fail("; ".join(f"rank {rank}: {err}" for rank, err in enumerate(errors) if err))
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """``obj`` from rank ``src`` on every rank."""

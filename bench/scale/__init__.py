@@ -11,8 +11,11 @@ the model plan ``pieces.make_plan`` and its gather, RNG and data position) throu
 ``writer.write_checkpoint`` (staging, every part: ``model_io.save_model`` with its file plan,
 ``shard_files.index_doc`` and ``write_rank_files``, rank 0's ``shard_index.json``;
 ``optim_io.save_optimizer`` with ``optim_files`` or DCP's ``dcp.save`` with its planner, global
-plan and ``.metadata``; the records all-gather), ``writer.publish`` (manifest, directory fsyncs,
-rename, ``LATEST``), ``LOWEST_VAL`` and ``retention.prune``, and the verdict; the resume path
+plan and ``.metadata``; the records gather to rank 0), ``writer.publish`` (manifest, directory
+fsyncs, rename, ``LATEST``), ``LOWEST_VAL`` and retention's choice (``retention.plan_prune``,
+``set_aside``), the verdict, and rank 0's share of the background deletion
+(``retention.delete_files`` of its own files, ``remove_set_aside`` once the other ranks, made
+here, deleted theirs); the resume path
 ``remove_leftovers``, ``reader.find_resume_point`` (``choose``, ``validate``: a ``stat`` per file),
 ``loading.inline_files``, ``reader.checking_while_loading`` (its digest share ``reader._share``),
 ``loading.load_state`` (``model_io.load_model``: ``read_layout``, ``read_aliases``,

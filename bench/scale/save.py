@@ -4,8 +4,9 @@ For rank q (0, then r) of N: :func:`~resilience.checkpoint.parts.checkpoint_part
 thread's part: torch's state dicts, the optimizer's capture and its replicated-or-sharded gather,
 the model plan and its gather, the rank-0 records, RNG, data position), then
 :func:`~resilience.checkpoint.writer.write_checkpoint` (staging, every part run as it runs in a
-save, the records all-gather), and on rank 0 :func:`~resilience.checkpoint.writer.publish`, then
-``LOWEST_VAL`` and retention as ``Checkpointer._after_publish`` calls them, then the verdict.
+save, the records gather to rank 0), and on rank 0 :func:`~resilience.checkpoint.writer.publish`,
+then ``LOWEST_VAL`` and retention's choice (victims renamed aside) as ``Checkpointer._after_publish``
+calls them, then the verdict, then (rank 0) its share of the background deletion.
 That is ``Checkpointer._write``'s sequence; ``Checkpointer.save`` itself is not used because
 building a ``Checkpointer`` runs the start-up checks (a whole extra model plan for a sharded model).
 
@@ -20,6 +21,7 @@ of a long run.
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import time
@@ -36,7 +38,7 @@ from resilience.checkpoint import parts as ckpt_parts
 from resilience.checkpoint import writer
 from resilience.checkpoint.formats import optim_files, shard_files
 from resilience.checkpoint.formats.pieces import Plan
-from resilience.checkpoint.layout import LATEST, OPTIM_DIR, STAGING_PREFIX, checkpoint_name, dataloader_rank_file
+from resilience.checkpoint.layout import LATEST, OPTIM_DIR, PRUNING_PREFIX, STAGING_PREFIX, checkpoint_name, dataloader_rank_file
 from resilience.checkpoint.policy import retention
 from resilience.checkpoint.policy.lowest_val import LowestVal
 from resilience.checkpoint.storage.durable import FileRecord, record
@@ -152,7 +154,7 @@ def simulate_save(cell: Cell, rank: int, state: TrainingState, root: Path, keep:
     if rank == 0:
         cell.peer_records = PeerFiles(cell, staging, keep, parts)
     with PROBE.measure() as out["write"]:
-        records = writer.write_checkpoint(ctx, root, name, parts)
+        records, own = writer.write_checkpoint(ctx, root, name, parts)
     out["own_file_bytes"] = sum(rec.size for rec in cell.own_records)
     if rank == 0:
         with PROBE.excluded():
@@ -160,17 +162,42 @@ def simulate_save(cell: Cell, rank: int, state: TrainingState, root: Path, keep:
             meta = manifest_meta(cell.world_size, STEP, parent, optimizer_saved=state.optimizer is not None)
         with PROBE.measure() as out["publish"]:
             final = writer.publish(root, name, records, meta)
-        with PROBE.measure() as out["retention"]:
+        with PROBE.measure() as out["retention"]:  # Checkpointer._after_publish: before the last collective
             LowestVal(root).consider(final, None)
-            retention.prune(root, 1, current=final)
+            victims = retention.set_aside(root, retention.plan_prune(root, 1, current=final))
         out["files"] = len(records)
     with PROBE.measure() as out["verdict"]:
-        writer.raise_publish_verdict(ctx, name, None)
+        victims = writer.raise_publish_verdict(ctx, name, None, victims if rank == 0 else None)
+    if rank == 0:
+        out["background"] = _background_deletion(root, victims, own, records)
     if rank != 0:
         shutil.rmtree(staging)
     out["functions"] = dict(PROBE.functions)
     out["lower_bounds"] = dict(PROBE.lower_bounds)
     out["received"] = dict(PROBE.received)
+    return out
+
+
+def _background_deletion(root: Path, victims: list[str], own: list[FileRecord], records: list[FileRecord]) -> dict[str, Any]:
+    """Rank 0's share of retention's background deletion (``Checkpointer._delete``): its own files
+    of the victim (the same relative paths as this save's: the victim is its hard links), then,
+    once the peers deleted theirs (made here, not counted), what is left (``remove_set_aside``, run
+    by the next save's job in a real run)."""
+    mine = {rec.path for rec in own}
+    with PROBE.measure() as out:
+        for victim in victims:
+            retention.delete_files(root, victim, sorted(mine))
+    with PROBE.excluded():
+        for victim in victims:
+            for rec in records:
+                if rec.path not in mine:
+                    (root / f"{PRUNING_PREFIX}{victim}" / rec.path).unlink(missing_ok=True)
+    with PROBE.measure() as rest:
+        retention.remove_set_aside(root)
+    out["cpu_s"] += rest["cpu_s"]
+    out["wall_s"] += rest["wall_s"]
+    out["meta_ops"] = dict(collections.Counter(out["meta_ops"]) + collections.Counter(rest["meta_ops"]))
+    out["read"] = dict(collections.Counter(out["read"]) + collections.Counter(rest["read"]))
     return out
 
 

@@ -15,7 +15,9 @@ moved to rank q's block (torch's function), their write results what :func:`spar
 gives for rank q's central plan. Load plans are not synthesised (the coordinator's load step
 passes them through): their sizes are taken as rank r's own.
 
-Bytes received are added to ``PROBE.received`` with torch's padding rules (:func:`probe.received`).
+Bytes received are added to ``PROBE.received`` with torch's padding rules (:func:`probe.received`);
+the flag all-reduces (:meth:`DistContext.max_over_ranks`) count twice their buffer, and the gather
+of the records to rank 0 (:meth:`DistContext.gather_to_root`) the payloads at rank 0 only.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class Cell:
             return obj  # a verdict (no error) or a fingerprint every rank holds alike
         if isinstance(obj, dict) and obj and all(isinstance(b, Block) for b in obj.values()):
             return {key: _block_of(b, q, self.world_size) for key, b in obj.items()}
+        if isinstance(obj, list) and obj and all(isinstance(rec, FileRecord) for rec in obj) and self.peer_records is not None:
+            return self.peer_records(q)  # the records gathered to rank 0
         if isinstance(obj, tuple) and len(obj) == 2 and obj[1] is None:
             payload = obj[0]
             if payload is None:
@@ -96,6 +100,8 @@ def _block_of(block: Block, q: int, world_size: int) -> Block:
 
 
 def _comparable(obj: Any) -> Any:
+    if isinstance(obj, list) and obj and all(isinstance(rec, FileRecord) for rec in obj):
+        return sorted((rec.path, rec.size) for rec in obj)
     if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], list):
         return sorted((rec.path, rec.size) for rec in obj[0])  # records: digests are stand-ins
     return obj
@@ -131,6 +137,31 @@ class SimContext(DistContext):
                 gathered[self.rank] = obj
             PROBE.received["ours"] += received("all_gather", sizes, self.rank)
         return gathered
+
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        """Rank 0's ``values`` (no simulated peer fails; a payload size is agreed again by the
+        gather it precedes); an all-reduce of int64s receives about twice its buffer (a ring)."""
+        with PROBE.excluded():
+            self.cell.key("all_reduce")
+            PROBE.received["ours"] += 2 * 8 * len(values)
+        return list(values)
+
+    def gather_to_root(self, obj: Any, *, largest: int | None = None) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0, ``None`` on rank r (its own compared with the one made for it)."""
+        cell = self.cell
+        with PROBE.excluded():
+            key = cell.key("gather_to_root")
+            if isinstance(obj, list) and obj and isinstance(obj[0], FileRecord):
+                cell.own_records = list(obj)
+            if self.rank == 0:
+                gathered = [obj] + [cell.peer_object(obj, q) for q in range(1, self.world_size)]
+                sizes = [pickled_size(x) for x in gathered]
+                cell.results[key] = (gathered, sizes)
+                PROBE.received["ours"] += (self.world_size - 1) * max(sizes)  # padded to the largest, sizes agreed by the all-reduce
+                return gathered
+            gathered, _ = cell.results[key]
+            cell.compare(f"{key}", gathered[self.rank], obj)
+        return None
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank 0's ``obj`` (rank 0 is simulated first)."""

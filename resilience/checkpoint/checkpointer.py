@@ -41,6 +41,9 @@ __all__ = ["Checkpointer", "Restored", "SaveReason", "TrainingState"]
 
 log = logging.getLogger("resilience.checkpoint")
 
+DELETE_WAIT_S = 10.0
+"""Seconds :meth:`Checkpointer.close` waits for retention's background deletion before it returns."""
+
 SaveReason = Literal["periodic", "preemption", "final"]
 """Why a checkpoint is saved; recorded as ``meta.reason`` in its manifest."""
 
@@ -109,6 +112,9 @@ class Checkpointer(Resuming):
         self._async: AsyncWriter | None = None
         self._async_ctx: DistContext | None = None
         self._buffers = StagingBuffers()
+        self._deleter = retention.Deleter()
+        self._own_files: dict[str, list[str]] = {}
+        """This rank's files (relative paths) of each checkpoint this process saved: retention deletes them."""
         self._check_root()
         check_savable(config, state.model, ctx)  # a model the format cannot save: refused before training
         if config.is_async and config.enabled and config.enable_save:
@@ -225,8 +231,8 @@ class Checkpointer(Resuming):
         ``ctx`` (the background writer's group for an asynchronous save, run in its thread).
         Returns the published directory; raises ``CheckpointSaveError`` on every rank when any
         step failed anywhere (``LATEST`` is then unchanged, unless only the steps after it failed)."""
-        records = write_checkpoint(ctx, self.root, name, parts)  # every rank's files durable, or raise
-        error = None
+        records, own = write_checkpoint(ctx, self.root, name, parts)  # every rank's files durable, or raise
+        error, victims = None, []
         if ctx.rank == 0:
             try:
                 publish(self.root, name, records, meta)  # manifest, rename, LATEST
@@ -234,11 +240,34 @@ class Checkpointer(Resuming):
                 error = describe_failure(exc)
             else:
                 try:
-                    self._after_publish(self.root / name, value)  # LOWEST_VAL, retention
+                    victims = self._after_publish(self.root / name, value)  # LOWEST_VAL, retention's choice
                 except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
                     error = f"after publishing (the checkpoint itself is published): {describe_failure(exc)}"
-        raise_publish_verdict(ctx, name, error)
+        victims = raise_publish_verdict(ctx, name, error, victims)
+        if self._retention_window() is not None:  # without retention nothing is deleted: nothing to remember
+            self._own_files[name] = [rec.path for rec in own]
+        self._delete(ctx, victims)
         return self.root / name
+
+    def _delete(self, ctx: DistContext, victims: list[str]) -> None:
+        """After the save's last collective, in the background: this rank unlinks its own files of
+        the checkpoints rank 0 set aside (``victims``); rank 0 then removes what is left of those
+        set aside at earlier saves. Only this process's saves are remembered, and only until their
+        checkpoint is deleted (bounded per rank)."""
+        mine = {victim: self._own_files.pop(victim) for victim in victims if victim in self._own_files}
+        if not mine and (ctx.rank != 0 or self._retention_window() is None):
+            return
+        spare = frozenset(victims)
+
+        def job() -> None:
+            phase("delete")
+            for victim, files in mine.items():
+                retention.delete_files(self.root, victim, files)
+            phase("deleted")
+            if ctx.rank == 0:
+                retention.remove_set_aside(self.root, spare=spare)
+
+        self._deleter.submit(job)
 
     def _run_id(self) -> str:
         """This run's id, decided once, at its first save: the one given at construction (the
@@ -275,24 +304,42 @@ class Checkpointer(Resuming):
         return self._async is not None and self._async.in_flight
 
     def close(self) -> None:
-        """Wait for the save in flight (see :meth:`wait`), release the staging buffers and the
+        """Wait for the save in flight (see :meth:`wait`), then for retention's background deletion
+        (at most :data:`DELETE_WAIT_S` seconds: an exit, 75 after a preemption, never hangs on a
+        slow delete; what is left is removed by a later save), release the staging buffers and the
         background writer's process group. A SIGINT is not held here: the exit path after a first
         Ctrl-C that interrupted training lets the save in flight publish, and a second one aborts."""
         try:
             if self._async is not None:
                 self._async.wait(self.config.async_timeout_s)
         finally:
+            self._finish_deleting()
             self._buffers.forget()
             if self._async_ctx is not None and self._async_ctx is not self.ctx and not self.save_in_flight:
                 self._async_ctx.close()
 
-    def _after_publish(self, final: Path, value: float | None) -> None:
-        """Rank 0, once ``LATEST`` names ``final``: move ``LOWEST_VAL``, then apply retention."""
+    def _after_publish(self, final: Path, value: float | None) -> list[str]:
+        """Rank 0, once ``LATEST`` names ``final``: move ``LOWEST_VAL``, then retention's victims
+        renamed aside; returns their names (deleted after the save's last collective, see :meth:`_delete`)."""
         phase("after_publish")
         self.lowest_val.consider(final, value)
-        keep = self.config.max_recent_checkpoints if self.config.max_recent_checkpoints is not None else self.config.save_max
-        if keep is not None:
-            retention.prune(self.root, keep, run_id=self.run_id if self.config.save_max is not None else None, current=final)
+        keep = self._retention_window()
+        if keep is None:
+            return []
+        victims = retention.plan_prune(self.root, keep, run_id=self.run_id if self.config.save_max is not None else None, current=final)
+        return retention.set_aside(self.root, victims)
+
+    def _retention_window(self) -> int | None:
+        """``max_recent_checkpoints`` or ``save_max`` (``None``: keep every checkpoint)."""
+        return self.config.max_recent_checkpoints if self.config.max_recent_checkpoints is not None else self.config.save_max
+
+    def _finish_deleting(self) -> None:
+        """Rank 0 removes what is left of every set-aside checkpoint; every rank waits for its
+        deletion at most :data:`DELETE_WAIT_S` seconds (a warning past it)."""
+        if self.ctx.rank == 0 and self.config.enabled and self.config.enable_save and self._retention_window() is not None:
+            self._deleter.submit(lambda: retention.remove_set_aside(self.root))
+        if not self._deleter.wait(DELETE_WAIT_S):
+            log.warning("retention: deletion still running after %g s at close; left to a later save", DELETE_WAIT_S)
 
     def _parts(self, reason: SaveReason, *, snapshot: bool = False) -> list[Part]:
         """The pieces of this checkpoint (:func:`checkpoint_parts`); with ``snapshot`` its tensors

@@ -9,12 +9,14 @@ then :func:`raise_publish_verdict`):
    every file it wrote (most while writing them); local parts on a worker thread beside the
    collective ones (DCP). Collective parts run on every rank even after a local failure, so
    no peer is left waiting in them.
-3. The file lists and errors are all-gathered: one failure anywhere raises on every rank. Parts
-   that read every rank's files (``after_peers``: a sharded model's Hugging Face bundle) run
-   then, and their outcome is all-gathered again.
+3. The file lists go to rank 0 only, after a flag reduce of the errors: one failure anywhere
+   raises on every rank. Parts that read every rank's files (``after_peers``: a sharded model's
+   Hugging Face bundle) run then, and their outcome is gathered the same way.
 4. Rank 0 writes ``manifest.json`` last, fsyncs every directory, renames the staging directory
    into place, fsyncs the root, and only then swaps ``LATEST``. Its success or failure (and that
-   of the steps after it: ``LOWEST_VAL``, retention) is all-gathered too.
+   of the steps after it: ``LOWEST_VAL``, retention's choice) reaches every rank in the last
+   collective, with the checkpoints retention set aside (each rank then deletes its own files
+   of them in the background: :mod:`resilience.checkpoint.policy.retention`).
 
 A failure at any point leaves the previous checkpoint and ``LATEST`` untouched.
 """
@@ -56,7 +58,9 @@ class CheckpointSaveError(RuntimeError):
 
 
 # A test hook: called with the phase name before each filesystem step of the save
-# ("staging", "parts", "manifest", "rename", "pointer", "after_publish"). Fault tests use it to
+# ("staging", "parts", "manifest", "rename", "pointer", "after_publish"), and in retention's
+# background job before and after this rank deletes its own files ("delete", "deleted"; a failure
+# there is a warning, not a failed save). Fault tests use it to
 # fail one step on one rank; it is None in normal runs.
 fault_hook: Callable[[str], None] | None = None
 
@@ -81,11 +85,12 @@ def describe_failure(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
 
 
-def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part]) -> list[FileRecord]:
+def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part]) -> tuple[list[FileRecord], list[FileRecord]]:
     """Steps 1 to 3: stage ``root/.staging_<name>/``, write every rank's ``parts`` into it, fsync'd
-    and digested, and all-gather the file lists; a collective over ``ctx`` (every rank calls it).
+    and digested, and gather the file lists to rank 0; a collective over ``ctx`` (every rank calls it).
 
-    Returns every rank's file records (rank 0 publishes them with :func:`publish`). Raises
+    Returns ``(every, own)``: every rank's file records on rank 0 (it publishes them with
+    :func:`publish`; empty on the other ranks), and this rank's own (retention deletes them). Raises
     :class:`CheckpointSaveError` on every rank when any rank failed; the staging directory is
     then removed and the previous checkpoint and ``LATEST`` are left as they were.
     """
@@ -104,18 +109,19 @@ def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part])
     ctx.gather_or_raise(error, fail=_failed(name, "creating the staging directory"))
 
     # 2. every rank writes its parts, fsyncs and digests them; then those that read them all
-    records, error = _write_parts(staging, [p for p in parts if not p.after_peers])
+    own, error = _write_parts(staging, [p for p in parts if not p.after_peers])
     try:
-        gathered = ctx.gather_or_raise(error, records, fail=_failed(name, "writing files"))
+        gathered = ctx.gather_to_root_or_raise(error, own, fail=_failed(name, "writing files")) or []
         late = [p for p in parts if p.after_peers]
         if late:
             records, error = _run_parts(staging, late, stop_at_error=True)
-            gathered += ctx.gather_or_raise(error, records, fail=_failed(name, "writing files from every rank's files"))
+            gathered += ctx.gather_to_root_or_raise(error, records, fail=_failed(name, "writing files from every rank's files")) or []
+            own = own + records
     except CheckpointSaveError:
         if ctx.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    return [rec for recs in gathered for rec in recs]
+    return [rec for recs in gathered for rec in recs], own
 
 
 def publish(root: Path, name: str, records: list[FileRecord], meta: dict[str, Any]) -> Path:
@@ -141,10 +147,12 @@ def publish(root: Path, name: str, records: list[FileRecord], meta: dict[str, An
     return final
 
 
-def raise_publish_verdict(ctx: DistContext, name: str, error: str | None) -> None:
+def raise_publish_verdict(ctx: DistContext, name: str, error: str | None, victims: list[str] | None = None) -> list[str]:
     """The last collective of a save: every rank raises :class:`CheckpointSaveError` when rank 0's
-    publishing (``error``) failed."""
-    ctx.gather_or_raise(error, fail=_failed(name, "publishing"))
+    publishing (``error``) failed; else returns rank 0's ``victims`` on every rank (the names
+    of the checkpoints retention renamed aside, whose files each rank deletes; ``[]`` for none).
+    A flag reduce, plus a broadcast of the names when there are any (:meth:`DistContext.verdict_from_root`)."""
+    return ctx.verdict_from_root(error, victims or None, fail=_failed(name, "publishing")) or []
 
 
 def _write_parts(staging: Path, parts: list[Part]) -> tuple[list[FileRecord], str | None]:

@@ -101,7 +101,7 @@ def save_with_our_writer() -> None:
 
         bundle_shards.write_file = broken
     try:
-        records = write_checkpoint(ctx, out / "ckpt", "step_1", [Part("shards", save_shards, by="all ranks"), made[1]])
+        records, _ = write_checkpoint(ctx, out / "ckpt", "step_1", [Part("shards", save_shards, by="all ranks"), made[1]])
     except CheckpointSaveError as exc:
         (out / f"failed-rank{rank}.txt").write_text(str(exc))
     else:

@@ -10,6 +10,10 @@ once per D (marker D/fault_KIND; several kinds may share a step, the first not y
 hang (sleeps), kill (SIGKILL), stop (SIGSTOP), eval (EVAL_S seconds of evaluation alone, calling
 loop.heartbeat(); the others wait in the next step's all-reduce), collective (an all-reduce the
 other ranks never join: every rank ends up stuck in one).
+DELETE_EVENTS=D: retention's background deletion touches D/delete_started_<rank> and, done with
+this rank's own files, D/deleted_<rank>; each step touches D/step_<rank>_<global step>; with
+DELETE_MODE=block every rank's deletion waits for D/release first; with DELETE_MODE=kill rank 0
+waits for D/deleted_1 (rank 1 deleted its files) and kills itself (SIGKILL) there.
 """
 
 import gc
@@ -46,7 +50,27 @@ def counting_save(self, *args, **kwargs):
     return result
 
 
+def deletion_events(phase):
+    events = Path(os.environ["DELETE_EVENTS"])
+    if phase == "delete":
+        (events / f"delete_started_{rank}").touch()
+        mode, waited_for = os.environ.get("DELETE_MODE"), None
+        if mode == "block":
+            waited_for = events / "release"
+        elif mode == "kill" and rank == 0:
+            waited_for = events / "deleted_1"
+        deadline = time.monotonic() + 60
+        while waited_for is not None and not waited_for.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if mode == "kill" and rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+    elif phase == "deleted":
+        (events / f"deleted_{rank}").touch()
+
+
 def hook(phase):
+    if os.environ.get("DELETE_EVENTS") and phase in ("delete", "deleted"):
+        deletion_events(phase)
     if phase == os.environ.get("FAIL_PHASE") and rank == int(os.environ.get("FAIL_RANK", "0")) and saves == int(os.environ.get("FAIL_AT_SAVE", "1")):
         raise OSError(28, f"injected failure at {phase} on rank {rank}")
 
@@ -107,6 +131,8 @@ try:
             if loop.resumed_from is not None and not announced:
                 announced = print(f"rank {rank}: resumed from {loop.resumed_from.name}", flush=True) or True
             fault(step.global_step)
+            if os.environ.get("DELETE_EVENTS"):
+                Path(os.environ["DELETE_EVENTS"], f"step_{rank}_{step.global_step}").touch()
             loop.log(loss=loss.item())
             if sleep_s:
                 time.sleep(sleep_s)

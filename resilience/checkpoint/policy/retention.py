@@ -17,15 +17,25 @@ MindSpore Transformers' ``save_max`` is the same mechanism with one documented d
 checkpoints saved by the current run count and are removed (``run_id`` is the manifest's
 ``meta.run_id``); checkpoints of other runs sharing the directory are left alone.
 
-Callers run :func:`prune` only after the new checkpoint is published and its pointers moved
-(``Checkpointer.save``, after the writer's publish returned), so a failed save never removes anything.
+Nothing is removed before the new checkpoint is published and its pointers moved, so a failed
+save never removes anything. Then, in a save (``Checkpointer._write``), rank 0 plans the victims
+(:func:`plan_prune`) and renames them aside to ``.pruning_<name>`` (:func:`set_aside`: a rename
+and one fsync per save; no half-deleted directory ever holds a checkpoint's name), and names
+them in the save's last collective. After it, on a background thread (:class:`Deleter`), each
+rank unlinks the files it wrote into them (:func:`delete_files`, from its own records of that
+save, kept in memory), and rank 0 removes what is left of the ones set aside at earlier saves
+(:func:`remove_set_aside`: directories, files of checkpoints no rank remembers). A failed delete
+is a warning; what a crash left is removed at a later save.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from resilience.checkpoint.layout import POINTER_SUFFIX, PRUNING_PREFIX, list_checkpoints, parse_checkpoint_name
@@ -107,28 +117,103 @@ def plan_prune(root: Path, keep: int, *, run_id: str | None = None, current: Pat
     return sorted(victims, key=lambda p: parse_checkpoint_name(p.name)[::-1])
 
 
-def prune(root: Path, keep: int, *, run_id: str | None = None, current: Path | None = None) -> list[Path]:
-    """Remove the checkpoints outside the window that no pointer names; returns those removed.
-
-    Each victim is first renamed to ``.pruning_<name>`` (so a crash mid-delete never leaves a
-    half-deleted ``epoch_*`` directory that looks like a checkpoint), then deleted; leftovers of
-    an interrupted prune are deleted at the next call. A directory that cannot be deleted is
-    logged and skipped: the checkpoint that triggered the prune is already published, and the
-    next prune tries again. See :func:`plan_prune` for the arguments.
-    """
-    for child in root.iterdir() if root.is_dir() else ():
-        if child.name.startswith(PRUNING_PREFIX) and child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child, ignore_errors=True)
-    removed = []
-    for path in plan_prune(root, keep, run_id=run_id, current=current):
-        doomed = root / f"{PRUNING_PREFIX}{path.name}"
+def set_aside(root: Path, victims: list[Path]) -> list[str]:
+    """Rank 0, before the save's last collective: rename each of ``victims`` to ``.pruning_<name>``
+    (one fsync of ``root`` for all), so that no half-deleted directory ever holds a checkpoint's
+    name; returns the names renamed. One that cannot be renamed is logged and skipped (the next
+    save's plan names it again): the checkpoint that triggered it is already published."""
+    renamed = []
+    for path in victims:
         try:
-            os.rename(path, doomed)
-            fsync_dir(root)
+            os.rename(path, root / f"{PRUNING_PREFIX}{path.name}")
         except OSError as exc:
             log.warning("retention: could not remove %s (%s); will retry at the next save", path.name, exc)
             continue
-        shutil.rmtree(doomed, ignore_errors=True)  # what is left is deleted by the next prune
-        removed.append(path)
+        renamed.append(path.name)
         log.info("retention: removed %s", path.name)
-    return removed
+    if renamed:
+        fsync_dir(root)
+    return renamed
+
+
+def delete_files(root: Path, name: str, files: list[str]) -> None:
+    """Unlink ``files`` (paths relative to the checkpoint) of ``name``, set aside by
+    :func:`set_aside`: a rank's own share of its deletion, in the background. A file already gone
+    is skipped; another failure is a warning (rank 0's :func:`remove_set_aside` tries again)."""
+    directory = root / f"{PRUNING_PREFIX}{name}"
+    failures = 0
+    for rel in files:
+        try:
+            os.unlink(directory / rel)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            failures += 1
+            if failures == 1:
+                log.warning("retention: could not delete %s of %s (%s); rank 0 removes what is left later", rel, name, exc)
+
+
+def remove_set_aside(root: Path, *, spare: frozenset[str] = frozenset()) -> None:
+    """Rank 0, in the background: delete what is left of every set-aside checkpoint (directories,
+    files no rank remembers: a checkpoint of an earlier process, a crash mid-delete) but those in
+    ``spare`` (whose files the ranks are deleting now; removed at the next call). Failures are
+    ignored: the next call tries again."""
+    for child in root.iterdir() if root.is_dir() else ():
+        if child.name.startswith(PRUNING_PREFIX) and child.name[len(PRUNING_PREFIX) :] not in spare and child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def prune(root: Path, keep: int, *, run_id: str | None = None, current: Path | None = None) -> list[Path]:
+    """Remove the checkpoints outside the window that no pointer names, at once, in one process;
+    returns those removed (:class:`~resilience.checkpoint.checkpointer.Checkpointer` spreads the
+    same steps over the ranks and the background instead).
+
+    What an interrupted prune left is deleted first; each victim is renamed aside
+    (:func:`set_aside`), then deleted. See :func:`plan_prune` for the arguments.
+    """
+    remove_set_aside(root)
+    removed = set_aside(root, plan_prune(root, keep, run_id=run_id, current=current))
+    remove_set_aside(root)
+    return [root / name for name in removed]
+
+
+class Deleter:
+    """Runs deletion jobs one after another on a daemon thread (started on demand, gone when idle),
+    so that no save waits for them; a job that raises is a warning. A daemon: a delete stuck on
+    a slow filesystem cannot keep the process from exiting (see :meth:`wait`)."""
+
+    def __init__(self, name: str = "resilience-retention") -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` (it runs after those queued before it)."""
+        with self._cond:
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+
+    def wait(self, timeout_s: float | None) -> bool:
+        """Wait at most ``timeout_s`` seconds (``None``: no bound) for every queued job; True when
+        none is left. What is left runs on while the process lives; after an exit its set-aside
+        directories are removed by the next run's first save."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                job = self._jobs[0]
+            try:
+                job()
+            except Exception as exc:  # noqa: BLE001 - a failed delete never fails training
+                log.warning("retention: deleting in the background failed (%s); the next save tries again", exc)
+            with self._cond:
+                self._jobs.popleft()
+                self._cond.notify_all()
