@@ -296,8 +296,8 @@ def test_quick_scale_bench_writes_every_figure_per_mode_and_rank_count_with_cons
             assert fig["replicated_bytes"] <= fig["resume_read_bytes_per_rank"]
             assert fig["index_bytes_per_rank"] < fig["resume_read_bytes_per_rank"]  # at 8 and 64 ranks the data outweighs the indexes
             assert fig["rank0_meta_ops"] >= fig["files"]  # retention removes the previous checkpoint file by file
-            assert fig["rank0_resume_meta_ops"] >= fig["files"]  # validation stats every file
-            assert fig["files"] >= 2 * n  # RNG and data position of every rank at least
+            assert fig["rank0_choose_meta_ops"] <= fig["files"] / n + 30  # rank 0 stats its 1/N of the files, not all
+            assert fig["files"] >= n  # a rank state file (RNG, data position) of every rank at least
     # DDP: every rank reads every model and optimizer file (N x read amplification); FSDP2: about its share
     assert doc["ddp"]["64"]["replicated_bytes"] > 0.95 * total
     assert doc["fsdp2"]["64"]["resume_read_bytes_per_rank"] < 4 * total / 64
