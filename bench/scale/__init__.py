@@ -13,7 +13,7 @@ the model plan ``pieces.make_plan`` and its gather, RNG and data position) throu
 ``optim_io.save_optimizer`` with ``optim_files`` or DCP's ``dcp.save`` with its planner, global
 plan and ``.metadata``; the records all-gather), ``writer.publish`` (manifest, directory fsyncs,
 rename, ``LATEST``), ``LOWEST_VAL`` and ``retention.prune``, and the verdict; the resume path
-``remove_leftovers``, ``reader.find_resume_point`` (``choose``, ``validate``: a ``stat`` per file),
+``remove_leftovers``, ``reader.find_resume_point`` (``choose``, the manifest, each rank checking the sizes of its 1/N of the files),
 ``loading.inline_files``, ``reader.checking_while_loading`` (its digest share ``reader._share``),
 ``loading.load_state`` (``model_io.load_model``: ``read_layout``, ``read_aliases``,
 ``load_by_slices`` or the whole-shard reads; ``optim_io.load_optimizer``: the skeleton, torch's
