@@ -16,7 +16,7 @@ fsyncs, rename, ``LATEST``), ``LOWEST_VAL`` and retention's choice (``retention.
 ``set_aside``), the verdict, and rank 0's share of the background deletion
 (``retention.delete_files`` of its own files, ``remove_set_aside`` once the other ranks, made
 here, deleted theirs); the resume path
-``remove_leftovers``, ``reader.find_resume_point`` (``choose``, ``validate``: a ``stat`` per file),
+``remove_leftovers``, ``reader.find_resume_point`` (``choose``, the manifest, each rank checking the sizes of its 1/N of the files),
 ``loading.inline_files``, ``reader.checking_while_loading`` (its digest share ``reader._share``),
 ``loading.load_state`` (``model_io.load_model``: ``read_layout``, ``read_aliases``,
 ``load_by_slices`` or the whole-shard reads; ``optim_io.load_optimizer``: the skeleton, torch's

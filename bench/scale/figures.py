@@ -72,6 +72,7 @@ def cell_figures(doc: dict[str, Any]) -> dict[str, Any]:
     if r0:
         fig["rank0_resume_plan_s"] = _cpu(r0, "choose", "load")
         fig["rank0_resume_meta_ops"] = _ops(r0, "choose", "load")
+        fig["rank0_choose_meta_ops"] = _ops(r0, "choose")  # its share of the size checks, the pointer, the manifest
     if s0 and s1 and r0 and r1:
         fig["index_bytes_per_rank"] = max(_read(s0, index) + _read(r0, index), _read(s1, index) + _read(r1, index))
     fig["functions"] = {k: _top(v["functions"]) for k, v in runs.items()}

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from resilience.checkpoint.layout import DATALOADER_DIR, RANK_STATE_DIR, RNG_DIR
+
 META_CALLS = ("stat", "lstat", "open", "fsync", "rename", "replace", "unlink", "rmdir", "scandir", "listdir", "mkdir", "symlink", "readlink", "truncate")
 META_CALLS += ("ftruncate", "chmod")
 INDEX_NAMES = ("manifest.json", "shard_index.json", "skeleton.json")
@@ -154,7 +156,7 @@ def _category(path: str) -> str:
         return "index"
     if os.path.basename(path) == ".metadata":
         return "dcp_metadata"
-    return "own" if f"{os.sep}rng{os.sep}" in path or f"{os.sep}dataloader{os.sep}" in path else "replicated"
+    return "own" if any(f"{os.sep}{d}{os.sep}" in path for d in (RANK_STATE_DIR, RNG_DIR, DATALOADER_DIR)) else "replicated"
 
 
 def pickled_size(obj: Any) -> int:

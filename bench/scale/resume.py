@@ -1,14 +1,14 @@
 """One resume as one simulated rank runs it, through the library's own resume path.
 
 ``Resuming.restore``'s sequence without the ``Checkpointer``: rank 0 removes leftovers, then
-:func:`~resilience.checkpoint.reader.find_resume_point` (rank 0 chooses and validates: a ``stat``
-per file of every rank; every rank receives the manifest), then, as ``Resuming.load`` does,
+:func:`~resilience.checkpoint.reader.find_resume_point` (rank 0 chooses and checks the manifest;
+every rank receives it and checks the sizes of its 1/N of the files), then, as ``Resuming.load`` does,
 :func:`~resilience.checkpoint.loading.inline_files`,
 :func:`~resilience.checkpoint.reader.checking_while_loading` (its digest share planned for real;
 the digests accounted by :class:`~bench.scale.sparse.AccountingCheck`) around
 :func:`~resilience.checkpoint.loading.load_state` (the model's index and shards, the optimizer's
 skeleton and files or DCP's ``.metadata`` and load plan, the counters, this rank's data position),
-then this rank's RNG file.
+then this rank's RNG (its rank state file).
 
 ``reader._share`` (the digest share: ``balance`` over every file and every rank) is capped at
 ``cap_s`` seconds: past it, its time is recorded as a lower bound and :func:`fast_share` (the same

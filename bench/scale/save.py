@@ -13,7 +13,7 @@ building a ``Checkpointer`` runs the start-up checks (a whole extra model plan f
 The other ranks' files are made while rank 0's records are gathered (:class:`PeerFiles`), by the
 library's own per-rank writers called with rank q's inputs: ``shard_files.write_rank_files`` with
 rank q's share of the plan, ``optim_files.save`` for rank q, DCP's data file from rank q's central
-plan, ``parts._write_rng`` and ``parts._write_text``. Before rank 0 publishes, an older checkpoint
+plan, ``parts._write_rank_state`` (its RNG and data position). Before rank 0 publishes, an older checkpoint
 of the same files (hard links) is put in place with ``LATEST`` on it, so that retention
 (``max_recent_checkpoints: 1``) removes a real checkpoint of N ranks, as it does at every save
 of a long run.
@@ -38,7 +38,7 @@ from resilience.checkpoint import parts as ckpt_parts
 from resilience.checkpoint import writer
 from resilience.checkpoint.formats import optim_files, shard_files
 from resilience.checkpoint.formats.pieces import Plan
-from resilience.checkpoint.layout import LATEST, OPTIM_DIR, PRUNING_PREFIX, STAGING_PREFIX, checkpoint_name, dataloader_rank_file
+from resilience.checkpoint.layout import LATEST, OPTIM_DIR, PRUNING_PREFIX, STAGING_PREFIX, checkpoint_name
 from resilience.checkpoint.policy import retention
 from resilience.checkpoint.policy.lowest_val import LowestVal
 from resilience.checkpoint.storage.durable import FileRecord, record
@@ -106,10 +106,8 @@ class PeerFiles:
             local = {key: torch.empty(info["pieces"][0]["shape"], dtype=getattr(torch, info["dtype"])) for key, info in share.tensors.items()}
             records = shard_files.write_rank_files(model_dir, local, share, index, q)
             records += [rec.under(OPTIM_DIR) for rec in self.cell.dcp_peer_records.pop(q, [])]  # none without a DCP optimizer
-        _, captured = self.by_part["rng"].args
-        rels = ckpt_parts._write_rng(self.staging, q, captured)
-        _, text = self.by_part["dataloader"].args
-        rels += ckpt_parts._write_text(self.staging, dataloader_rank_file(q), text)
+        _, captured, position = self.by_part["rank_state"].args
+        rels = ckpt_parts._write_rank_state(self.staging, q, captured, position)
         return records + [record(self.staging, rel) for rel in rels]
 
     def _share(self, plan: Plan, q: int) -> Plan:

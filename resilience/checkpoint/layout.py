@@ -36,8 +36,10 @@ names from here only, so this tree is the whole layout::
           .metadata  __0_0.distcp ...     DCP's files: sharded (DTensor) state, and checkpoints
                                           written before the optimizer had its own files
           skeleton.json  lr_scheduler.json   SKELETON (structure, and the file of each tensor), LR_SCHEDULER
-        rng/rank_00000.safetensors ...    RNG_DIR, rank_file(): one per global rank
-        dataloader/rank_00000.json ...    DATALOADER_DIR, rank_file(): one per data-parallel rank
+        rank_state/rank_00000.safetensors ...   RANK_STATE_DIR, rank_state_file(): one per global rank,
+                                          its RNG states (tensors) and data position (JSON, header)
+        rng/rank_00000.safetensors ...    RNG_DIR, rng_rank_file(): checkpoints written before rank_state/,
+        dataloader/rank_00000.json ...    DATALOADER_DIR, dataloader_rank_file(): read, never written
         extra/<name>.json  extra/<name>.safetensors   EXTRA_DIR
       epoch_1_step_20.abandoned-20250501T120410Z/   ABANDONED_INFIX: another timeline's, moved aside
       .staging_epoch_1_step_40/           STAGING_PREFIX: a save in progress (removed at the next start)
@@ -46,7 +48,8 @@ names from here only, so this tree is the whole layout::
 
 A pointer's text form is ``<name>`` + ``POINTER_SUFFIX`` (``LATEST.txt``); tensors are in
 ``SAFETENSORS_SUFFIX`` files. Directory names (``model``, ``optim``, ``rng``, ...) double as the
-labels of a save's parts, which are spelled where the parts are built.
+labels of a save's parts, which are spelled where the parts are built. The rank state was two
+files per rank before (``rng/``, ``dataloader/``): 2 x N files and manifest entries per save.
 """
 
 from __future__ import annotations
@@ -78,8 +81,9 @@ LOSSES = "losses.json"
 """NeMo AutoModel's per-checkpoint losses (``train_loss``, ``val_loss``), plus the training rows."""
 MODEL_DIR = "model"
 OPTIM_DIR = "optim"
-RNG_DIR = "rng"
-DATALOADER_DIR = "dataloader"
+RANK_STATE_DIR = "rank_state"
+RNG_DIR = "rng"  # older checkpoints (read only)
+DATALOADER_DIR = "dataloader"  # older checkpoints (read only)
 EXTRA_DIR = "extra"
 SKELETON = f"{OPTIM_DIR}/skeleton.json"
 LR_SCHEDULER = f"{OPTIM_DIR}/lr_scheduler.json"
@@ -147,13 +151,21 @@ def rank_file(kind: str, rank: int, suffix: str) -> str:
     return f"{kind}/rank_{rank:05d}{suffix}"
 
 
+def rank_state_file(rank: int) -> str:
+    """``rank_state/rank_<R>.safetensors``: global rank R's RNG states and data position, one file
+    per rank and save (:func:`~resilience.state.rng.write_rng_state`)."""
+    return rank_file(RANK_STATE_DIR, rank, SAFETENSORS_SUFFIX)
+
+
 def rng_rank_file(rank: int) -> str:
-    """``rng/rank_<R>.safetensors``: global rank R's RNG states."""
+    """``rng/rank_<R>.safetensors``: global rank R's RNG states, in a checkpoint written before
+    :func:`rank_state_file` (read, never written)."""
     return rank_file(RNG_DIR, rank, SAFETENSORS_SUFFIX)
 
 
 def dataloader_rank_file(rank: int) -> str:
-    """``dataloader/rank_<R>.json``: data-parallel rank R's position in its data."""
+    """``dataloader/rank_<R>.json``: rank R's position in its data, in a checkpoint written before
+    :func:`rank_state_file` (read, never written)."""
     return rank_file(DATALOADER_DIR, rank, ".json")
 
 

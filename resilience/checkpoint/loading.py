@@ -13,14 +13,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from resilience.checkpoint import layout
 from resilience.checkpoint.formats import model_io, optim_io
 from resilience.checkpoint.formats.extra_state import load_extra_state
-from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, OPTIM_DIR, OPTIM_SHARD_GLOB, STEP_SCHEDULER, dataloader_rank_file, rng_rank_file
+from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, OPTIM_DIR, OPTIM_SHARD_GLOB, STEP_SCHEDULER
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.data_parallel import DataParallel, position_rank
-from resilience.state.data_position import read_data_position
+from resilience.state.data_position import parse_data_position, read_data_position
+from resilience.state.rng import read_data_position_text
 from resilience.state.training_state import TrainingState
 
 try:
@@ -106,20 +108,37 @@ def load_state(
             log.warning("rank %d: %s was saved under another data-parallel layout: the epoch's order is replayed", rank, directory.name)
         # the order is replayed from the epoch's start: keep what that start drew from (a saved rank's
         # epoch_rng / generators; ranks seed alike), or a shuffle without set_epoch would draw anew
-        peer = directory / dataloader_rank_file(rank % saved_world)
-        start = {k: v for k, v in (read_data_position(peer) if peer.exists() else {}).items() if k.startswith("epoch_")}
+        peer = saved_data_position(directory, manifest, rank % saved_world)
+        start = {k: v for k, v in (peer or {}).items() if k.startswith("epoch_")}
         data_position = {**start, "batches_in_epoch": step_state["batches_in_epoch"], "loader": None}
     else:  # a rank of the same replica (the ranks of a replica hold the same position)
-        data_file = directory / dataloader_rank_file(source)
-        data_position = read_data_position(data_file) if data_file.exists() else None
-    rng_rank = rank % saved_world
+        data_position = saved_data_position(directory, manifest, source)
     return Restored(
         directory=directory,
         step_scheduler=step_state,
         data_position=data_position,
-        rng_file=directory / rng_rank_file(rng_rank),
+        rng_file=directory / saved_rng_file(manifest, rank % saved_world),
         meta=meta,
     )
+
+
+def saved_rng_file(manifest: dict[str, Any], rank: int) -> str:
+    """The file holding saved rank ``rank``'s RNG states, relative to the checkpoint: its rank state
+    file, or in a checkpoint written before those (per its ``manifest``), its ``rng/`` file."""
+    new = layout.rank_state_file(rank)
+    return new if new in manifest["files"] or layout.rng_rank_file(rank) not in manifest["files"] else layout.rng_rank_file(rank)
+
+
+def saved_data_position(directory: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any] | None:
+    """Saved rank ``rank``'s data position in the checkpoint ``directory`` (its parsed ``manifest``
+    says which layout it has): from its rank state file's header, or in a checkpoint written before
+    those, its ``dataloader/`` file; None when the save had no loader."""
+    files = manifest["files"]
+    if layout.rank_state_file(rank) in files:
+        text = read_data_position_text(directory / layout.rank_state_file(rank))
+        return None if text is None else parse_data_position(text)
+    old = layout.dataloader_rank_file(rank)
+    return read_data_position(directory / old) if old in files else None
 
 
 def inline_files(manifest: dict[str, Any], state: TrainingState, *, weights_only: bool) -> list[str]:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from resilience.checkpoint.formats import hf_export, model_io, optim_io, pieces
 from resilience.checkpoint.formats.bundle_shards import write_bundle_share
 from resilience.checkpoint.formats.extra_state import save_extra_state
-from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, RNG_DIR, STEP_SCHEDULER, TRASH_PREFIX, dataloader_rank_file, rng_rank_file
+from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, RANK_STATE_DIR, STEP_SCHEDULER, TRASH_PREFIX, rank_state_file
 from resilience.checkpoint.policy.lowest_val import json_safe
 from resilience.checkpoint.staging import StagingBuffers
 from resilience.checkpoint.storage.durable import FileRecord
@@ -44,8 +44,8 @@ class Part:
     (fsync'd and digested afterwards by reading it back) or a :class:`FileRecord` of a file
     already fsync'd and digested while it was written.
 
-    ``by`` says who writes it: ``"each rank"`` (its own files: model shard, RNG, data
-    position), ``"rank 0"`` (the run's records, built on rank 0 only) or ``"all ranks"`` (one
+    ``by`` says who writes it: ``"each rank"`` (its own files: model shard, rank state: RNG
+    and data position), ``"rank 0"`` (the run's records, built on rank 0 only) or ``"all ranks"`` (one
     collective write, DCP: every rank runs it, in the same order, after its own parts).
     ``after_peers`` parts run once every rank's other parts are durable, for a part that reads
     files other ranks wrote (the Hugging Face bundle of a sharded model, streamed from every
@@ -113,10 +113,8 @@ def checkpoint_parts(
         parts.append(_json_part("common", COMMON, json.dumps(_common(state, scheduler, global_batch_size))))
         parts.append(_json_part("losses", LOSSES, json.dumps(_losses(scheduler.global_step, training_rows, validation))))
     rng = capture_rng_state()
-    parts.append(Part("rng", _write_rng, (rank, rng)))
-    if state.dataloader is not None:
-        position = data_position_json(state.dataloader, scheduler.batches_in_epoch)
-        parts.append(_json_part("dataloader", dataloader_rank_file(rank), position, by="each rank"))
+    position = None if state.dataloader is None else data_position_json(state.dataloader, scheduler.batches_in_epoch)
+    parts.append(Part("rank_state", _write_rank_state, (rank, rng, position)))  # one file per rank: N, not 2N
     if buffers is not None:
         buffers.synchronize()
     return parts
@@ -237,10 +235,11 @@ def _write_text(directory: Path, rel: str, text: str) -> list[str]:
     return [rel]
 
 
-def _write_rng(directory: Path, rank: int, captured: Any) -> list[str]:
-    rel = rng_rank_file(rank)
-    (directory / RNG_DIR).mkdir(exist_ok=True)
-    write_rng_state(directory / rel, captured)
+def _write_rank_state(directory: Path, rank: int, captured: Any, position: str | None) -> list[str]:
+    """``rank_state/rank_<R>.safetensors``: this rank's RNG states and data position (JSON text)."""
+    rel = rank_state_file(rank)
+    (directory / RANK_STATE_DIR).mkdir(exist_ok=True)
+    write_rng_state(directory / rel, captured, data_position=position)
     return [rel]
 
 

@@ -1,10 +1,11 @@
 """The resume path, top to bottom: pick a valid checkpoint (rank 0), tell every rank, load while
 checking its bytes.
 
-Rank 0 follows ``LATEST`` (or ``restore_from``), checks the manifest and every file's size, and
-when the target is missing or incomplete falls back with a warning, in the order of
+Rank 0 follows ``LATEST`` (or ``restore_from``) and checks the manifest; every rank checks the
+sizes of its share of the files (a ``stat`` each: 1/N of them per rank), and when the target is
+missing or incomplete rank 0 falls back with a warning, in the order of
 :func:`~resilience.checkpoint.resume_choice.resume_candidates` (its lineage first, then older
-checkpoints); the manifest it parsed goes to every rank with the choice. Every rank then loads
+checkpoints); the manifest it parsed goes to every rank with the candidate. Every rank then loads
 the chosen directory while checking its share of the files (:func:`checking_while_loading`): the files
 the loader reads whole (our safetensors files) are digested as their bytes pass, the others by a
 background thread beside the load; every byte is read once, instead of a full checksum pass
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,13 +27,16 @@ from resilience.checkpoint.balance import balance
 from resilience.checkpoint.layout import BAD_MARKER, needed_to_resume
 from resilience.checkpoint.resume_choice import choose
 from resilience.checkpoint.storage.content_check import ContentCheck
-from resilience.checkpoint.storage.manifest import CheckpointInvalid, validate
+from resilience.checkpoint.storage.manifest import CheckpointInvalid, check_contents, first_size_problem, resume_files, validate
 from resilience.distributed import DistContext
 
 log = logging.getLogger("resilience.checkpoint")
 
 
 T = TypeVar("T")
+
+# What rank 0 broadcasts while choosing (:func:`find_resume_point`): a candidate to size-check, or the result.
+_CHECK, _DONE = "check", "done"
 
 
 class CheckpointNotFound(FileNotFoundError):
@@ -51,10 +56,11 @@ def mark_bad(directory: Path, why: str) -> None:
         pass
 
 
-def _choose(root: Path, restore_from: str | None, key: str, checksums: bool) -> tuple[str | None, dict[str, Any] | None, list[str]]:
-    """(directory to resume from or None, its manifest, warnings). Runs on rank 0 only; marks the
-    candidates found invalid as bad, so no later start checks them again."""
-    check = functools.partial(validate, checksums=checksums, resume=True)
+def _choose(ctx: DistContext, root: Path, restore_from: str | None, key: str, checksums: bool) -> tuple[str | None, dict[str, Any] | None, list[str]]:
+    """(directory to resume from or None, its manifest, warnings). Runs on rank 0, the other ranks
+    in :func:`_follow` meanwhile (each candidate's size check is theirs too); marks the candidates
+    found invalid as bad, so no later start checks them again."""
+    check = functools.partial(_check_candidate, ctx, checksums=checksums)
     if restore_from is not None:
         path = Path(restore_from)
         if not path.is_absolute() and not path.exists():
@@ -80,6 +86,58 @@ def _choose(root: Path, restore_from: str | None, key: str, checksums: bool) -> 
     return None, None, warnings
 
 
+def _check_candidate(ctx: DistContext, directory: Path, *, checksums: bool) -> dict[str, Any]:
+    """Rank 0's check of one candidate (:func:`choose`'s ``check``): the manifest here, then every
+    rank's share of the size checks (:func:`_check_sizes`), then, with ``checksums``, every digest
+    here. Returns the manifest; raises :class:`CheckpointInvalid` (on rank 0) saying why not."""
+    doc = validate(directory, checksums=False, resume=True, sizes=False)
+    ctx.broadcast_object((_CHECK, (str(directory), doc)))
+    _check_sizes(ctx, directory, doc)
+    if checksums:
+        check_contents(directory, resume_files(doc))
+    return doc
+
+
+def _follow(ctx: DistContext) -> tuple[tuple[str | None, list[str], str | None, str | None], dict[str, Any] | None]:
+    """A rank other than 0 during :func:`_choose`: its share of each candidate's size checks, until
+    rank 0's result (chosen, warnings, not-found error, other error); returns it with the last
+    candidate's manifest (the chosen one's: :func:`choose` stops at the first that passes)."""
+    manifest = None
+    while True:
+        kind, body = ctx.broadcast_object(None)
+        if kind == _DONE:
+            return body, manifest
+        path, manifest = body
+        try:
+            _check_sizes(ctx, Path(path), manifest)
+        except CheckpointInvalid:
+            pass  # rank 0 has it too, and goes on to the next candidate
+
+
+def _check_sizes(ctx: DistContext, directory: Path, doc: dict[str, Any]) -> None:
+    """Every rank checks the sizes of its share of the files a resume reads (:func:`_size_share`);
+    one verdict for all (a collective). Raises :class:`CheckpointInvalid` on every rank, with the message a
+    serial check gives (the first bad file in manifest order), when a file is missing or short."""
+    files = resume_files(doc)
+    problem = first_size_problem(directory, _size_share(files, ctx.rank, ctx.world_size))
+    ctx.gather_or_raise(problem, fail=lambda detail: CheckpointInvalid(_first_problem(detail)))
+
+
+def _size_share(files: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's files to ``stat``: the ``rank``-th of ``world_size`` contiguous runs of ``files``
+    (in manifest order, a ``stat`` each whatever the size), so the lowest failing rank holds the
+    first bad file."""
+    items = list(files.items())
+    lo, hi = len(items) * rank // world_size, len(items) * (rank + 1) // world_size
+    return dict(items[lo:hi])
+
+
+def _first_problem(detail: str) -> str:
+    """The lowest failing rank's finding in a verdict's ``"rank R: <finding>; rank S: ..."``."""
+    match = re.match(r"rank \d+: (.*?)(?:; rank \d+: |$)", detail, re.S)
+    return match.group(1) if match else detail
+
+
 def find_resume_checkpoint(
     ctx: DistContext, root: Path, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True
 ) -> Path | None:
@@ -93,25 +151,37 @@ def find_resume_point(
 ) -> tuple[Path | None, dict[str, Any] | None]:
     """(the checkpoint every rank should resume from, its manifest), or ``(None, None)`` for a fresh
     start (collective). Rank 0 chooses (:func:`~resilience.checkpoint.resume_choice.choose`) and
-    parses the manifest once; every rank receives both.
+    parses each candidate's manifest once; every rank receives it and checks the sizes of its share
+    of the candidate's files (1/N of them), one verdict deciding for all whether rank 0 falls back.
 
-    ``checksums=False`` checks sizes only (one ``stat`` per file): for a caller that loads the
-    choice with :func:`checking_while_loading`, which checks the bytes while they are read.
+    ``checksums=False`` checks sizes only (one ``stat`` per file, spread over the ranks): for a
+    caller that loads the choice with :func:`checking_while_loading`, which checks the bytes while
+    they are read. With ``checksums``, rank 0 also digests every file of the candidate.
 
     Raises:
         CheckpointNotFound: on every rank, when ``restore_from`` is given but missing or invalid
             (the message names it as ``key``, e.g. ``checkpoint.load_path``).
+        RuntimeError: on the other ranks, when rank 0 failed otherwise while choosing (it raises
+            its own error).
     """
-    result: tuple[str | None, dict[str, Any] | None, list[str], str | None] = (None, None, [], None)
     if ctx.rank == 0:
+        manifest = None
         try:
-            chosen, manifest, warnings = _choose(root, restore_from, key, checksums)
-            result = (chosen, manifest, warnings, None)
+            chosen, manifest, warnings = _choose(ctx, root, restore_from, key, checksums)
+            result: tuple[str | None, list[str], str | None, str | None] = (chosen, warnings, None, None)
         except CheckpointNotFound as exc:
-            result = (None, None, [], str(exc))
-    chosen, manifest, warnings, error = ctx.broadcast_object(result)
-    if error:
-        raise CheckpointNotFound(error)
+            result = (None, [], str(exc), None)
+        except Exception as exc:  # the others wait in a broadcast: let them fail too, then raise it here
+            ctx.broadcast_object((_DONE, (None, [], None, f"rank 0 failed choosing a checkpoint: {type(exc).__name__}: {exc}")))
+            raise
+        ctx.broadcast_object((_DONE, result))
+    else:
+        result, manifest = _follow(ctx)
+    chosen, warnings, not_found, failed = result
+    if failed:
+        raise RuntimeError(failed)
+    if not_found:
+        raise CheckpointNotFound(not_found)
     if ctx.rank == 0:
         for line in warnings:
             log.warning(line)

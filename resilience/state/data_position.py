@@ -165,8 +165,14 @@ def save_data_position(path: Path, loader: Any, batches_in_epoch: int) -> None:
 
 
 def read_data_position(path: Path) -> dict[str, Any]:
-    """The JSON written by :func:`save_data_position`."""
-    return json.loads(path.read_text())
+    """The JSON written by :func:`save_data_position` (a checkpoint's ``dataloader/`` file before
+    the rank state file held it)."""
+    return parse_data_position(path.read_text())
+
+
+def parse_data_position(text: str) -> dict[str, Any]:
+    """The position :func:`data_position_json` gave as ``text``."""
+    return json.loads(text)
 
 
 def resume_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterator:

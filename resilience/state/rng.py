@@ -1,7 +1,9 @@
 """RNG state of one rank: Python ``random``, NumPy's global generator, torch CPU and CUDA.
 
 Saved as a safetensors file (tensors for the large states, JSON in the header metadata for the
-rest), so loading never unpickles anything.
+rest), so loading never unpickles anything. A checkpoint's rank state file
+(``rank_state/rank_<R>.safetensors``) holds the rank's data position too, as the JSON text of
+header key :data:`DATA_POSITION_KEY`: one small file per rank and save instead of two.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, safe_open, save_file
+
+DATA_POSITION_KEY = "data_position"
+"""The header metadata key of a rank state file's data position (JSON text)."""
 
 
 def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -34,10 +39,21 @@ def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return tensors, meta
 
 
-def write_rng_state(path: Path, captured: tuple[dict[str, torch.Tensor], dict[str, str]]) -> None:
-    """Write a :func:`capture_rng_state` snapshot to ``path`` (safetensors; the caller fsyncs)."""
+def write_rng_state(path: Path, captured: tuple[dict[str, torch.Tensor], dict[str, str]], *, data_position: str | None = None) -> None:
+    """Write a :func:`capture_rng_state` snapshot to ``path`` (safetensors; the caller fsyncs),
+    with ``data_position`` (JSON text, :func:`~resilience.state.data_position.data_position_json`)
+    in its header when given; :func:`load_rng_state` reads the RNG states either way."""
     tensors, meta = captured
+    if data_position is not None:
+        meta = {**meta, DATA_POSITION_KEY: data_position}
     save_file(tensors, str(path), metadata=meta)
+
+
+def read_data_position_text(path: Path) -> str | None:
+    """The data position (JSON text) a rank state file at ``path`` holds, or None when it was
+    written without one (no loader). Reads the header only."""
+    with safe_open(str(path), framework="pt") as fh:
+        return (fh.metadata() or {}).get(DATA_POSITION_KEY)
 
 
 def save_rng_state(path: Path) -> None:

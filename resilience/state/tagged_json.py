@@ -20,7 +20,7 @@
 
 Anything else (``None``, booleans, numbers, strings, lists, string-keyed dicts) is itself, and
 nothing is pickled. Used by registered extra state (``extra/<name>.json``, tensors in a
-safetensors file beside it), the data position (``dataloader/rank_<R>.json``) and the LR
+safetensors file beside it), the data position (in ``rank_state/rank_<R>.safetensors``'s header) and the LR
 scheduler (``lr_scheduler.json``), tensors inline in the last two.
 """
 

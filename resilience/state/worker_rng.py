@@ -27,8 +27,8 @@ class WorkerRNG(Dataset):
 
     Use: ``StatefulDataLoader(WorkerRNG(dataset), num_workers=N, ...)``. The state (torch's CPU
     RNG, ``random``'s, NumPy's global one) is saved by the loader per worker; :mod:`resilience`
-    stores it as tagged JSON in the checkpoint's ``dataloader/`` file, like the rest of the
-    loader's state. Items and length are ``dataset``'s.
+    stores it as tagged JSON in the rank's data position (``rank_state/rank_<R>.safetensors``),
+    like the rest of the loader's state. Items and length are ``dataset``'s.
 
     Raises:
         TypeError: ``dataset`` is an ``IterableDataset`` (its own ``state_dict`` is the place for

@@ -249,10 +249,10 @@ def test_layout_manifest_lists_exactly_the_files_on_disk_and_latest_is_relative(
             "optim/lr_scheduler.json",
             "step_scheduler.json",
             "config.yaml",
-            "rng/rank_00000.safetensors",
-            "dataloader/rank_00000.json",
+            "rank_state/rank_00000.safetensors",  # RNG and data position: one file per rank
             "extra/counter.json",
         } <= on_disk
+        assert not any(rel.startswith(("rng/", "dataloader/")) for rel in on_disk)
         assert manifest["meta"]["global_step"] == step
         validate(directory)
 

@@ -7,8 +7,8 @@ a plain module with ``model_save_format: torch_save`` (the guide's PyTorch DCP t
 elides part of the tree with ``...`` and is compared as a subset).
 
 Documented differences: the per-rank ``.pt`` pickles of the guide
-are safe formats here (``dataloader/rank_<R>.json``, ``rng/rank_<R>.safetensors``,
-``step_scheduler.json``); a DDP run's optimizer state (every rank holds it in full) is in our own
+are safe formats here, a rank's data position and RNG in one file (``rank_state/rank_<R>.safetensors``),
+and ``step_scheduler.json``; a DDP run's optimizer state (every rank holds it in full) is in our own
 files, one per rank (``optim/shard-0000K-of-00002.safetensors``), not DCP's ``__<R>_0.distcp``; each checkpoint also holds its ``manifest.json``, MindSpore's
 ``common.json`` and the files in ``OUR_EXTRAS``; ``special_tokens_map.json`` is written only by
 the ``transformers`` versions that still write it (not 5.x).
@@ -84,8 +84,9 @@ checkpoints/
 """
 
 RENAMES = [
-    (re.compile(r"^(.*)/dataloader/dataloader_dp_rank_(\d+)\.pt$"), lambda m: f"{m[1]}/dataloader/rank_{int(m[2]):05d}.json"),
-    (re.compile(r"^(.*)/rng/rng_dp_rank_(\d+)\.pt$"), lambda m: f"{m[1]}/rng/rank_{int(m[2]):05d}.safetensors"),
+    # a rank's data position and RNG: one file (its rank state)
+    (re.compile(r"^(.*)/dataloader/dataloader_dp_rank_(\d+)\.pt$"), lambda m: f"{m[1]}/rank_state/rank_{int(m[2]):05d}.safetensors"),
+    (re.compile(r"^(.*)/rng/rng_dp_rank_(\d+)\.pt$"), lambda m: f"{m[1]}/rank_state/rank_{int(m[2]):05d}.safetensors"),
     (re.compile(r"^(.*)/step_scheduler\.pt$"), lambda m: f"{m[1]}/step_scheduler.json"),
     # DDP's optimizer state (every rank holds it in full): each rank's share in our own file
     (re.compile(r"^(.*)/optim/__(\d+)_0\.distcp$"), lambda m: f"{m[1]}/optim/shard-{int(m[2]) + 1:05d}-of-00002.safetensors"),

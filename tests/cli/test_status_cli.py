@@ -83,7 +83,7 @@ def build_root(root: Path) -> None:
     # Marked bad at an earlier start.
     (root / "epoch_0_step_8" / BAD_MARKER).write_text(BAD_TEXT)
     # Flipped bytes, same size: only the digest catches it.
-    rng = root / "epoch_0_step_6" / "rng" / "rank_00000.safetensors"
+    rng = root / "epoch_0_step_6" / "rank_state" / "rank_00000.safetensors"
     data = bytearray(rng.read_bytes())
     data[len(data) // 2] ^= 0xFF
     rng.write_bytes(bytes(data))
@@ -334,7 +334,7 @@ def test_verify_one_good_checkpoint_exits_0_with_a_progress_bar(damaged, capsys)
 def test_verify_one_flipped_checkpoint_exits_1_naming_the_file(damaged, capsys):
     code, out, _ = run_cli(capsys, "verify", str(damaged / "epoch_0_step_6"), "--no-progress")
     assert code == 1
-    assert "  rng/rank_00000.safetensors: checksum mismatch (corrupted bytes)" in out.splitlines()
+    assert "  rank_state/rank_00000.safetensors: checksum mismatch (corrupted bytes)" in out.splitlines()
 
 
 @pytest.mark.parametrize("what", ["missing", "empty", "file"])

@@ -296,8 +296,8 @@ def test_quick_scale_bench_writes_every_figure_per_mode_and_rank_count_with_cons
             assert fig["replicated_bytes"] <= fig["resume_read_bytes_per_rank"]
             assert fig["index_bytes_per_rank"] < fig["resume_read_bytes_per_rank"]  # at 8 and 64 ranks the data outweighs the indexes
             assert fig["rank0_meta_ops"] == fig["rank0_critical_meta_ops"] + fig["rank0_background_meta_ops"]
-            assert fig["rank0_resume_meta_ops"] >= fig["files"]  # validation stats every file
-            assert fig["files"] >= 2 * n  # RNG and data position of every rank at least
+            assert fig["rank0_choose_meta_ops"] <= fig["files"] / n + 30  # rank 0 stats its 1/N of the files, not all
+            assert fig["files"] >= n  # a rank state file (RNG, data position) of every rank at least
     for mode, cells in doc.items():  # rank 0's deletion is spread over the ranks: it does not grow with N
         assert cells["64"]["rank0_critical_meta_ops"] == cells["8"]["rank0_critical_meta_ops"], mode
         assert cells["64"]["rank0_meta_ops"] < cells["64"]["files"], mode

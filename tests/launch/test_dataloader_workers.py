@@ -102,7 +102,7 @@ def test_a_signal_to_the_process_group_with_dataloader_workers_saves_the_agreed_
     manifest = validate(ckpt / latest_name(ckpt))
     # The agreement is non-blocking: the stop lands at the step it completes in, the same on every rank.
     assert PAUSE_STEP <= manifest["meta"]["global_step"] < TOTAL_STEPS // 2 and manifest["meta"]["reason"] == "preemption", manifest["meta"]
-    assert {f"dataloader/rank_{r:05d}.json" for r in (0, 1)} <= set(manifest["files"])
+    assert {f"rank_state/rank_{r:05d}.safetensors" for r in (0, 1)} <= set(manifest["files"])
     _assert_no_worker_left(events, out)
 
     resumed_events = tmp_path / "events2"

@@ -46,28 +46,45 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return doc
 
 
-def validate(directory: Path, *, checksums: bool = True, resume: bool = False) -> dict[str, Any]:
+def validate(directory: Path, *, checksums: bool = True, resume: bool = False, sizes: bool = True) -> dict[str, Any]:
     """Check that every listed file exists with its size, and when ``checksums`` its digest
     (reads every byte; without it the check costs one ``stat`` per file). With ``resume``, only
     the files a resume reads (:func:`~resilience.checkpoint.layout.needed_to_resume`: not the
     Hugging Face bundle written with the checkpoint, which a user may delete or export again).
+    ``sizes=False`` (and no ``checksums``) checks the manifest alone, no file: for a caller that
+    spreads the size checks (:func:`first_size_problem`) over ranks.
 
     Returns the manifest. Raises :class:`CheckpointInvalid` naming the first bad file.
     """
     if not directory.is_dir():
         raise CheckpointInvalid(f"{directory}: no such checkpoint directory")
     doc = read_manifest(directory)
-    files = {rel: want for rel, want in doc["files"].items() if not resume or needed_to_resume(rel)}
+    files = resume_files(doc) if resume else doc["files"]
     for rel, want in files.items():
-        path = directory / rel
-        problem = size_problem(path, want.get("size") if isinstance(want, dict) else want)
+        problem = size_problem(directory / rel, want.get("size") if isinstance(want, dict) else want) if sizes else None
         if problem is not None:
-            raise CheckpointInvalid(f"{path}: {problem}")
+            raise CheckpointInvalid(f"{directory / rel}: {problem}")
         if entry_digest(want) is None:
             raise CheckpointInvalid(f"{directory / MANIFEST}: the entry of {rel} has no digest")
     if checksums:
         check_contents(directory, files)
     return doc
+
+
+def resume_files(doc: dict[str, Any]) -> dict[str, Any]:
+    """The entries of manifest ``doc`` a resume reads (:func:`~resilience.checkpoint.layout.needed_to_resume`), in its order."""
+    return {rel: want for rel, want in doc["files"].items() if needed_to_resume(rel)}
+
+
+def first_size_problem(directory: Path, files: dict[str, Any]) -> str | None:
+    """``"<path>: <problem>"`` (:func:`size_problem`) for the first of ``files`` (``{relative path:
+    entry}``) under ``directory`` that is missing or of another size than its entry, else None:
+    :func:`validate`'s size check, for a share of the files. One ``stat`` per file."""
+    for rel, want in files.items():
+        problem = size_problem(directory / rel, want.get("size") if isinstance(want, dict) else want)
+        if problem is not None:
+            return f"{directory / rel}: {problem}"
+    return None
 
 
 def check_contents(directory: Path, files: dict[str, Any]) -> None:
