@@ -102,3 +102,20 @@ def test_load_balanced_false_reads_everything_and_a_byte_read_by_rank_1_is_caugh
     assert run(ckpt, tmp_path / "c", 2, ["step_scheduler.max_steps=6"], env) == [ExitCode.DONE] * 2
     (bad,) = [p for p in ckpt.iterdir() if (p / BAD_MARKER).is_file()]
     assert f"rank 0: {latest / MODEL_DIR / shard.name}" in (bad / BAD_MARKER).read_text()
+
+
+def test_a_files_owner_is_the_rank_whose_range_holds_its_first_byte():
+    """The digest share (``reader._share``) and the loader agree on who owns a file through this."""
+    import random
+
+    from resilience.checkpoint.balance import stream_owners, stream_range
+
+    rng = random.Random(3)
+    for _ in range(500):
+        ranks = rng.randint(1, 20)
+        sizes = [(f"f{i}", rng.choice([0, 1, 8, 100, rng.randrange(10_000)])) for i in range(rng.randint(1, 10))]
+        total, start, owners = sum(n for _, n in sizes), 0, stream_owners(sizes, ranks)
+        for name, n in sizes:
+            if start < total:
+                assert stream_range(total, owners[name], ranks)[0] <= start < stream_range(total, owners[name], ranks)[1]
+            start += n
