@@ -85,7 +85,8 @@ def test_load_balanced_false_reads_everything_and_a_byte_read_by_rank_1_is_caugh
     """Off, each of 2 ranks reads every weight and optimizer file. On, the one model shard (one
     layer, owned by rank 0, the rank holding its first byte) has its second half read by rank 1:
     a flipped byte there is caught by rank 0's digest of the bytes it received, and both ranks
-    fall back to the older checkpoint."""
+    fall back to the older checkpoint. A rank whose model has other shapes stops both ranks with
+    the same error."""
     ckpt, env = tmp_path / "ck", {"SMALL": "1"}
     assert run(ckpt, tmp_path / "a", 2, ["step_scheduler.max_steps=4", "step_scheduler.ckpt_every_steps=2"], env) == [ExitCode.DONE] * 2
     off = ["step_scheduler.max_steps=5", "step_scheduler.ckpt_every_steps=100", "checkpoint.load_balanced=false"]
@@ -102,6 +103,12 @@ def test_load_balanced_false_reads_everything_and_a_byte_read_by_rank_1_is_caugh
     assert run(ckpt, tmp_path / "c", 2, ["step_scheduler.max_steps=6"], env) == [ExitCode.DONE] * 2
     (bad,) = [p for p in ckpt.iterdir() if (p / BAD_MARKER).is_file()]
     assert f"rank 0: {latest / MODEL_DIR / shard.name}" in (bad / BAD_MARKER).read_text()
+
+    # rank 1's model has other shapes: the same error on both ranks, before any byte moves, no hang
+    codes = run(ckpt, tmp_path / "d", 2, ["step_scheduler.max_steps=7"], {**env, "MISMATCH_RANK": "1"})
+    assert all(code not in (ExitCode.DONE, ExitCode.PREEMPTED) for code in codes), codes
+    errors = [(tmp_path / "d" / f"error.rank{rank}").read_text() for rank in range(2)]
+    assert errors[0] == errors[1] and "rank 1: the model does not match" in errors[0] and "weight [128, 256] (saved [256, 256])" in errors[0], errors
 
 
 def test_a_files_owner_is_the_rank_whose_range_holds_its_first_byte():

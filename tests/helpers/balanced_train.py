@@ -9,7 +9,8 @@ moments twice that) on random batches. At the end of a run each rank writes
 (``{"rchar": bytes}``: what ``Resuming.load`` read through read()/pread() in this process, its
 digest thread included, from ``/proc/self/io``; gloo's traffic does not count there). Env
 ``OLD_OPTIM_FILES=1``: every rank writes its optimizer file, empty or not, as releases before
-the no-empty-files change did; ``SMALL=1``: one bias-free layer instead. Exits with ``loop.exit_code``.
+the no-empty-files change did; ``SMALL=1``: one bias-free layer instead; ``MISMATCH_RANK=R``: rank R's
+layer has other shapes, and no DDP (the error resilient_loop() raises goes to ``OUT_DIR/error.rank<R>``). Exits with ``loop.exit_code``.
 """
 
 import json
@@ -64,11 +65,17 @@ cfg = load_config(None, [f"checkpoint.checkpoint_dir={ckpt_dir}", "step_schedule
 torch.manual_seed(0)
 # SMALL=1: one bias-free layer, 3 optimizer tensors (fewer than 4 ranks)
 model = torch.nn.Linear(256, 256, bias=False) if os.environ.get("SMALL") else torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+mismatch = os.environ.get("MISMATCH_RANK")  # that rank's model has other shapes (no DDP, which would refuse it)
+if mismatch is not None and int(mismatch) == rank:
+    model = torch.nn.Linear(256, 128, bias=False)
+net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 and mismatch is None else model
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 g = torch.Generator().manual_seed(rank)
 batches = [torch.randn(4, 256, generator=g) for _ in range(20)]
-try:
+
+
+def train() -> None:
+    global loop
     loop = resilient_loop(cfg, model=net, optimizer=optimizer, dataloader=batches)
     with loop:
         for step in loop:
@@ -76,6 +83,15 @@ try:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+
+
+try:
+    try:
+        train()
+    except Exception as exc:
+        with open(os.path.join(out_dir, f"error.rank{rank}"), "w") as fh:
+            fh.write(f"{type(exc).__name__}: {exc}")
+        raise
     torch.save(snapshot(model, optimizer), os.path.join(out_dir, f"end.rank{rank}.pt"))
 finally:
     net = None
