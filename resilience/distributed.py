@@ -176,6 +176,12 @@ class DistContext:
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
+    def broadcast_tensor(self, tensor: Any, src: int) -> None:
+        """Overwrite ``tensor`` (a CPU tensor of the same shape and dtype on every rank) with rank
+        ``src``'s, in place, over our gloo group."""
+        if self.distributed:
+            dist.broadcast(tensor, src=src, group=self.group)
+
     def barrier(self) -> None:
         """Wait for every rank on our gloo group."""
         if self.distributed:

@@ -67,7 +67,7 @@ def cell_figures(doc: dict[str, Any]) -> dict[str, Any]:
     if r1:
         fig["resume_plan_s"] = _cpu(r1, "choose", "load")
         fig["resume_read_bytes_per_rank"] = _read(r1)
-        fig["replicated_bytes"] = _read(r1, ("index", "dcp_metadata", "replicated"))
+        fig["replicated_bytes"] = _read(r1, ("index", "dcp_metadata", "replicated")) + r1.get("streamed_bytes", 0)
         fig["resume_collective_bytes_per_rank"] = sum(r1["received"].values())
     if r0:
         fig["rank0_resume_plan_s"] = _cpu(r0, "choose", "load")

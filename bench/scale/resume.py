@@ -8,7 +8,8 @@ every rank receives it and checks the sizes of its 1/N of the files), then, as `
 the digests accounted by :class:`~bench.scale.sparse.AccountingCheck`) around
 :func:`~resilience.checkpoint.loading.load_state` (the model's index and shards, the optimizer's
 skeleton and files or DCP's ``.metadata`` and load plan, the counters, this rank's data position),
-then this rank's RNG (its rank state file).
+then this rank's RNG (its rank state file). A DDP state is loaded balanced (``checkpoint.load_balanced``, the
+default): ``streamed_bytes`` is the size of the files every rank loads a 1/N of from storage.
 
 ``reader._share`` (the digest share: ``balance`` over every file and every rank) is capped at
 ``cap_s`` seconds: past it, its time is recorded as a lower bound and :func:`fast_share` (the same
@@ -24,6 +25,7 @@ from typing import Any
 from bench.scale.probe import PROBE
 from bench.scale.sim import Cell, SimContext
 from resilience.checkpoint import loading, reader
+from resilience.checkpoint.formats import balanced_load
 from resilience.checkpoint.resume import Resuming
 from resilience.checkpoint.resume_choice import remove_leftovers
 from resilience.config import CheckpointConfig
@@ -64,10 +66,13 @@ def simulate_resume(cell: Cell, rank: int, state: TrainingState, root: Path) -> 
         raise RuntimeError(f"the scale bench's checkpoint under {root} was not found valid")
     with PROBE.measure() as out["load"]:
         inline = loading.inline_files(manifest, state, weights_only=False)
-        with reader.checking_while_loading(ctx, found, manifest, inline=inline) as check:
+        balanced = loading.balanced_loading(config, ctx)
+        with reader.checking_while_loading(ctx, found, manifest, inline=inline, balanced=balanced) as check:
             restored = loading.load_state(found, manifest, state, ctx, config, weights_only=False, check=check)
         Resuming.restore_rng(restored)
     out["files"] = len(manifest["files"])
+    streams = balanced_load.streams(inline).values() if balanced else []
+    out["streamed_bytes"] = sum(int(manifest["files"][rel]["size"]) for stream in streams for rel in stream)
     out["functions"] = dict(PROBE.functions)
     out["lower_bounds"] = dict(PROBE.lower_bounds)
     out["received"] = dict(PROBE.received)

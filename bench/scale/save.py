@@ -99,8 +99,8 @@ class PeerFiles:
         model_dir, state, plan, index, _ = self._inputs["shard_files.write_rank_files"]
         if self.cell.mode == "ddp":
             records = shard_files.write_rank_files(model_dir, state, plan, index, q)  # every rank holds every tensor
-            _, tensors, skeleton, _ = self._inputs["optim_files.save"]
-            records += optim_files.save(self.staging, tensors, skeleton, q)
+            _, tensors, skeleton, _, world_size = self._inputs["optim_files.save"]
+            records += optim_files.save(self.staging, tensors, skeleton, q, world_size)
         else:
             share = self._share(plan, q)
             local = {key: torch.empty(info["pieces"][0]["shape"], dtype=getattr(torch, info["dtype"])) for key, info in share.tensors.items()}

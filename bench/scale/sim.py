@@ -174,6 +174,11 @@ class SimContext(DistContext):
             PROBE.received["ours"] += 0 if self.rank == src else 8 + size
         return obj
 
+    def broadcast_tensor(self, tensor: Any, src: int) -> None:
+        """Moves nothing (the balanced load's buckets); counts what rank ``src`` would send."""
+        if self.rank != src:
+            PROBE.received["ours"] += tensor.numel() * tensor.element_size()
+
     def barrier(self) -> None:
         """Nothing to wait for."""
 
@@ -270,6 +275,11 @@ class SimDistWrapper(_DistWrapper):
             result, size = cell.results[key]
             PROBE.received["dcp"] += 8 + size
         return result
+
+    def broadcast_tensor(self, tensor: Any, src: int) -> None:
+        """Moves nothing (the balanced load's buckets); counts what rank ``src`` would send."""
+        if self.rank != src:
+            PROBE.received["ours"] += tensor.numel() * tensor.element_size()
 
     def barrier(self) -> None:
         """Nothing to wait for."""

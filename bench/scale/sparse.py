@@ -11,6 +11,10 @@ bytes:
 * ``read_safetensors`` (as ``model_io`` and ``optim_files`` call it): the header is read and parsed
   for real; the tensor bytes are counted (the whole file, as the real reader reads it), the live
   targets returned as the real reader fills them in place.
+* ``balanced_load.read_range`` and ``place`` (a balanced resume of replicated state): a file's
+  header is read for real (its owner checks it); this rank's 1/N of the tensor bytes is counted,
+  not read, and nothing is copied into the live tensors (``SimContext.broadcast_tensor`` moves
+  nothing either, counting what the rank would receive).
 * ``safe_open`` (as ``shard_files.load_by_slices`` calls it): the header for real; each slice asked
   for is counted and returned as a ``meta`` tensor of its shape.
 * DCP's ``_write_files_from_queue`` (the writer thread body of ``FileSystemWriter.write_data``):
@@ -46,7 +50,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from bench.scale.probe import PROBE
 from resilience.checkpoint import reader as ckpt_reader
-from resilience.checkpoint.formats import model_io, optim_files, shard_files
+from resilience.checkpoint.formats import balanced_load, model_io, optim_files, shard_files
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.checkpoint.storage.safetensors_file import dtype_of, safetensors_header
@@ -104,6 +108,21 @@ def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None,
         out[name] = target if fits else torch.empty(shape, dtype=dtype, device="meta")
     PROBE.add_read("replicated", size)
     return out
+
+
+def read_range(path: Path, offset: int, view: memoryview) -> None:
+    """``balanced_load.read_range`` counting the bytes: a header (from byte 0) is read for real
+    (its owner checks it), a range of tensor data only counted (this rank's 1/N of the stream)."""
+    if offset == 0:
+        with open(path, "rb", buffering=0) as fh:
+            fh.readinto(view)
+        PROBE.add_read("headers", len(view))
+    else:
+        PROBE.add_read("balanced", len(view))
+
+
+def place(view: torch.Tensor, part: torch.Tensor) -> None:
+    """``balanced_load.place`` moving nothing (the broadcast brought no bytes either)."""
 
 
 class SafeOpen:
@@ -228,6 +247,8 @@ def byte_level_replaced() -> Iterator[None]:
         (optim_files, "write_safetensors", write_safetensors),
         (model_io, "read_safetensors", read_safetensors),
         (optim_files, "read_safetensors", read_safetensors),
+        (balanced_load, "read_range", read_range),
+        (balanced_load, "place", place),
         (shard_files, "safe_open", SafeOpen),
         (dcp_fs, "_write_files_from_queue", _write_files_from_queue),
         (dcp_fs.FileSystemReader, "read_data", _read_data),

@@ -28,3 +28,22 @@ def balance(sizes: dict[str, int], ranks: int) -> dict[str, int]:
         owner[keys[i]] = rank
         heapq.heappush(heap, (load + sizes[keys[i]], rank))
     return owner
+
+
+def stream_range(total: int, rank: int, ranks: int) -> tuple[int, int]:
+    """Rank ``rank``'s byte range ``[start, stop)`` of a stream of ``total`` bytes cut into
+    ``ranks`` contiguous ranges that differ in length by at most one byte."""
+    return total * rank // ranks, total * (rank + 1) // ranks
+
+
+def stream_owners(sizes: list[tuple[str, int]], ranks: int) -> dict[str, int]:
+    """The rank whose :func:`stream_range` holds the first byte of each item of ``sizes`` laid end
+    to end in the given order (an empty item: the rank holding the byte after it, the last rank at
+    the end). Every rank computes the same without a collective; O(items log ranks)."""
+    total = sum(size for _, size in sizes)
+    owner, start = {}, 0
+    for key, size in sizes:
+        # the largest r with stream_range(total, r, ranks)[0] <= start: ceil((start + 1) * ranks / total) - 1
+        owner[key] = min(ranks - 1, ((start + 1) * ranks - 1) // total) if total else 0
+        start += size
+    return owner

@@ -84,7 +84,8 @@ def load_state(
             "the data position and RNG streams are per rank. Resume with the same world size, or set "
             "checkpoint.world_size_change=elastic to re-derive them (see its documentation)"
         )
-    model_io.load_model(directory, state.model, group=ctx.group, check=check)
+    balanced = ctx if balanced_loading(config, ctx) else None
+    model_io.load_model(directory, state.model, group=ctx.group, check=check, balanced=balanced)
     if weights_only:
         _reload_main_params(state.optimizer)
         return Restored(directory=directory, step_scheduler=None, data_position=None, rng_file=None, meta=meta, weights_only=True)
@@ -92,7 +93,7 @@ def load_state(
         log.warning("%s holds no optimizer state (saved with no_save_optim or without an optimizer): the optimizer starts fresh", directory.name)
         _reload_main_params(state.optimizer)
     elif state.optimizer is not None:
-        optim_io.load_optimizer(directory, state.model, state.optimizer, group=ctx.group, check=check)
+        optim_io.load_optimizer(directory, state.model, state.optimizer, group=ctx.group, check=check, balanced=balanced)
     if state.lr_scheduler is not None:
         optim_io.load_lr_scheduler(directory, state.lr_scheduler)
     for key, obj in state.extra.items():
@@ -139,6 +140,12 @@ def saved_data_position(directory: Path, manifest: dict[str, Any], rank: int) ->
         return None if text is None else parse_data_position(text)
     old = layout.dataloader_rank_file(rank)
     return read_data_position(directory / old) if old in files else None
+
+
+def balanced_loading(config: CheckpointConfig, ctx: DistContext) -> bool:
+    """Whether replicated state is loaded balanced (``checkpoint.load_balanced`` and more than one
+    rank): each byte read by one rank, broadcast to the others (:mod:`~resilience.checkpoint.formats.balanced_load`)."""
+    return bool(config.load_balanced) and ctx.distributed
 
 
 def inline_files(manifest: dict[str, Any], state: TrainingState, *, weights_only: bool) -> list[str]:

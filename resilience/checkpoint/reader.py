@@ -23,7 +23,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from resilience.checkpoint.balance import balance
+from resilience.checkpoint.balance import balance, stream_owners
+from resilience.checkpoint.formats import balanced_load
 from resilience.checkpoint.layout import BAD_MARKER, needed_to_resume
 from resilience.checkpoint.resume_choice import choose
 from resilience.checkpoint.storage.content_check import ContentCheck
@@ -189,7 +190,9 @@ def find_resume_point(
 
 
 @contextlib.contextmanager
-def checking_while_loading(ctx: DistContext, directory: Path, manifest: dict[str, Any], *, inline: Iterable[str] = ()) -> Iterator[ContentCheck]:
+def checking_while_loading(
+    ctx: DistContext, directory: Path, manifest: dict[str, Any], *, inline: Iterable[str] = (), balanced: bool = False
+) -> Iterator[ContentCheck]:
     """Around the load of ``directory``: this rank digests its share of the checkpoint's files,
     listed in its parsed ``manifest``, while the ``with`` body loads; a collective over ``ctx``
     (every rank enters and leaves it, failed or not).
@@ -198,7 +201,9 @@ def checking_while_loading(ctx: DistContext, directory: Path, manifest: dict[str
     :class:`~resilience.checkpoint.storage.content_check.ContentCheck` it yields lets the loader
     digest a file of the share itself as it reads it (``check.claim``/``check.report``): ``inline``
     names the files it is expected to; a background thread digests the rest of the share during
-    the load, and after it whatever the loader did not report.
+    the load, and after it whatever the loader did not report. ``balanced``: the loader reads the
+    ``inline`` files as :mod:`~resilience.checkpoint.formats.balanced_load` streams (each rank a
+    range), and each of them is digested by the rank whose range holds its first byte.
 
     Raises, on leaving the ``with``:
         CheckpointCorrupted: on every rank, when any file's digest differs from the manifest,
@@ -206,7 +211,9 @@ def checking_while_loading(ctx: DistContext, directory: Path, manifest: dict[str
         Exception: the body's own error when the bytes were intact (a peer's, as RuntimeError).
     """
     files = {rel: want for rel, want in manifest["files"].items() if needed_to_resume(rel)}  # not the bundle: never read
-    check = ContentCheck(directory, files, _share(files, ctx.rank, ctx.world_size), inline=inline)
+    inline = list(inline)
+    streams = list(balanced_load.streams(inline).values()) if balanced else []
+    check = ContentCheck(directory, files, _share(files, ctx.rank, ctx.world_size, streams), inline=inline)
     check.start()
     error: BaseException | None = None
     try:
@@ -235,7 +242,11 @@ def _corrupted(ctx: DistContext, directory: Path, detail: str, cause: BaseExcept
     return corrupted
 
 
-def _share(files: dict[str, Any], rank: int, world_size: int) -> list[str]:
-    """This rank's files to digest: largest first, each to the least loaded rank (all ranks agree)."""
-    owner = balance({rel: int(files[rel].get("size", 0)) for rel in sorted(files)}, world_size)
+def _share(files: dict[str, Any], rank: int, world_size: int, streams: list[list[str]] = ()) -> list[str]:
+    """This rank's files to digest (all ranks agree): a file of ``streams`` (balanced loading) to
+    the rank that reads its first byte; the others largest first, each to the least loaded rank."""
+    owner = {}
+    for stream in streams:
+        owner.update(stream_owners([(rel, int(files[rel].get("size", 0))) for rel in stream if rel in files], world_size))
+    owner.update(balance({rel: int(files[rel].get("size", 0)) for rel in sorted(files) if rel not in owner}, world_size))
     return sorted(rel for rel, r in owner.items() if r == rank)  # path order: roughly the order the loader reads them

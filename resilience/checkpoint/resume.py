@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import LATEST, MANIFEST, parse_checkpoint_name
-from resilience.checkpoint.loading import Restored, inline_files, load_state
+from resilience.checkpoint.loading import Restored, balanced_loading, inline_files, load_state
 from resilience.checkpoint.policy.lineage import descends_from, meta_of, parent_ref
 from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, checking_while_loading, find_resume_point
 from resilience.checkpoint.resume_choice import remove_leftovers
@@ -181,7 +181,8 @@ class Resuming:
             manifest = read_manifest(directory)
         weights_only = self.config.no_load_optim and self.resume_source in ("load_path", "restore_from")
         inline = inline_files(manifest, state, weights_only=weights_only)
-        with checking_while_loading(self.ctx, directory, manifest, inline=inline) as check:
+        balanced = balanced_loading(self.config, self.ctx)
+        with checking_while_loading(self.ctx, directory, manifest, inline=inline, balanced=balanced) as check:
             restored = load_state(directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check, data_parallel=self.data_parallel)
         if not weights_only:
             if self.ctx.rank == 0 and self.resume_source != "load_path":

@@ -105,8 +105,12 @@ class CheckpointConfig:
     load_path: str | None = None
     """MindSpore Transformers: a checkpoint directory, or a root whose ``LATEST`` is followed, to load
     when ``checkpoint_dir`` holds no checkpoint of its own yet ("" or null: none)."""
-    load_balanced: bool = False
-    """MindSpore Transformers: accepted; a no-op (there are no redundant shards to balance here)."""
+    load_balanced: bool = True
+    """Resume of replicated state (a plain or DDP model's safetensors weights, an optimizer every
+    rank holds in full) with more than one rank: each byte is read from storage by one rank (1/N
+    each) and broadcast over the library's gloo group in buckets of at most 64 MiB, the reading
+    rank digesting it (default true, as MindSpore Transformers' key). False: every rank reads
+    every file itself. Sharded (DTensor) state always reads only its own blocks."""
     remove_redundancy: bool = True
     """MindSpore Transformers: store replicated tensors once (default true). Accepted; it is how
     every save works: a block several ranks hold is written by one of its holders. ``false`` (write

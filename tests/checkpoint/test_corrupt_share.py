@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from resilience import ExitCode
+from resilience.checkpoint.formats import balanced_load
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, MANIFEST, needed_to_resume
 from resilience.checkpoint.reader import _share
 from sample_runs import run, steps
@@ -20,7 +21,8 @@ def test_a_file_corrupt_in_rank_1s_share_makes_both_ranks_fall_back_to_the_older
     latest = (ckpt / LATEST).resolve()
     assert latest.name == "epoch_0_step_4"
     files = {rel: want for rel, want in json.loads((latest / MANIFEST).read_text())["files"].items() if needed_to_resume(rel)}
-    only_rank_1 = max(_share(files, 1, 2), key=lambda rel: files[rel]["size"])
+    streams = list(balanced_load.streams(files).values())  # a DDP model and its optimizer: loaded balanced
+    only_rank_1 = max(_share(files, 1, 2, streams), key=lambda rel: files[rel]["size"])
     target = latest / only_rank_1
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the digest can tell

@@ -46,3 +46,13 @@ def preemptible_config(ckpt_dir: str, overrides: list[str]):
             *overrides,
         ],
     )
+
+
+def leave(world: int) -> None:
+    """Destroy the process group after the caller dropped its DDP module (collected here first):
+    either left alive at interpreter exit can abort the process with SIGABRT (torch 2.13 + gloo)."""
+    import gc
+
+    gc.collect()
+    if world > 1:
+        dist.destroy_process_group()

@@ -54,8 +54,8 @@ try:
 except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor
 
+from resilience.checkpoint.formats import balanced_load, hf_export, pieces, shard_files, sharded_model
 from resilience.checkpoint.formats import consolidate as consolidation
-from resilience.checkpoint.formats import hf_export, pieces, shard_files, sharded_model
 from resilience.checkpoint.layout import (
     ADAPTER_CONFIG,
     CONSOLIDATE_SH,
@@ -216,13 +216,16 @@ def bundle_omits(model: torch.nn.Module, aliases: dict[str, str]) -> list[str]:
     return sorted(alias for alias in aliases if alias in declared)
 
 
-def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, check: ContentCheck | None = None) -> None:
+def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, check: ContentCheck | None = None, balanced: DistContext | None = None) -> None:
     """Load the weights saved in ``directory/model/`` into ``model`` in place, whatever the layout
     (sharded safetensors under any world size, DCP — a collective over ``group`` — or adapters).
     Shards read whole (a replicated model) are digested as they pass when in ``check``'s share.
+    ``balanced`` (a replicated model's safetensors only; a collective over it): each rank reads
+    1/N of the shards' bytes and receives the rest (:mod:`balanced_load`).
 
     Raises:
-        ValueError: missing or unexpected keys, or adapters for a model that is not a PEFT model.
+        ValueError: missing or unexpected keys, or adapters for a model that is not a PEFT model;
+            with ``balanced``, on every rank when any rank's model differs from the index.
     """
     model_dir = directory / MODEL_DIR
     if (model_dir / ADAPTER_CONFIG).is_file():
@@ -238,6 +241,9 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, ch
         if pieces.is_sharded(live) or any(info["shard"] is None for info in layout.values()):
             shard_files.load_by_slices(model_dir, layout, live, aliases)  # each rank reads what overlaps its blocks
             return
+        if balanced is not None:
+            _load_balanced(balanced, directory, layout, aliases, live, model, check)
+            return
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted({info["shard"] for info in layout.values()}):
             rel = f"{MODEL_DIR}/{shard}"
@@ -251,6 +257,28 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, ch
         _restore_aliases(model_dir, tensors, aliases, live)
         if set(tensors) != set(live) or any(t is not live[key] for key, t in tensors.items()):
             set_model_state_dict(model, tensors)  # some did not fit in place (or keys differ: its error)
+
+
+def _load_balanced(
+    ctx: DistContext,
+    directory: Path,
+    layout: dict[str, dict[str, Any]],
+    aliases: dict[str, str],
+    live: dict[str, torch.Tensor],
+    model: torch.nn.Module,
+    check: ContentCheck | None,
+) -> None:
+    """The replicated branch of :func:`load_model` through :func:`balanced_load.load`; a model
+    whose keys or shapes differ from the index is the same ValueError on every rank, before any
+    byte moves."""
+    specs, problem = balanced_load.model_specs(layout, aliases, live)
+    ctx.gather_or_raise(problem and f"the model does not match {directory / MODEL_SHARD_INDEX}: {problem}", fail=ValueError)
+    rels = balanced_load.stream_files("model", check, specs)
+    with torch.no_grad():
+        tensors = balanced_load.load(ctx, directory, rels, specs, live, check)
+    _restore_aliases(directory / MODEL_DIR, tensors, aliases, live)
+    if set(tensors) != set(live) or any(t is not live[key] for key, t in tensors.items()):
+        set_model_state_dict(model, tensors)  # some did not fit in place (another dtype)
 
 
 def _restore_aliases(model_dir: Path, tensors: dict[str, torch.Tensor], aliases: dict[str, str], live: dict[str, torch.Tensor]) -> None:

@@ -9,10 +9,12 @@
 As the model's weights are written: the tensors are split over the ranks by size
 (:func:`~resilience.checkpoint.balance.balance`, the same answer on every rank without a
 collective), so each rank writes ~1/N of the bytes, digested while written
-(:func:`~resilience.checkpoint.storage.safetensors_file.write_safetensors`); every rank writes
-its file, empty or not. Loading reads every file straight into the optimizer's live tensors
-where they fit, digesting the files of this rank's share as their bytes pass, so it works under
-any world size (every rank reads every file). DCP's per-item serialisation cost ~3x the CPU of
+(:func:`~resilience.checkpoint.storage.safetensors_file.write_safetensors`); only ranks that own
+tensors write a file, and ``"files"`` lists those (checkpoints written before list every rank's,
+empty or not). Loading reads straight into the optimizer's live tensors where they fit, under
+any world size: balanced (``checkpoint.load_balanced``, world size > 1), each rank reads 1/N of
+the bytes and receives the rest (:mod:`~resilience.checkpoint.formats.balanced_load`); else
+every rank reads every file, digesting the files of its share as their bytes pass. DCP's per-item serialisation cost ~3x the CPU of
 ``torch.save`` per byte saved and left the load at half the disk's read rate (bench/README.md).
 
 Sharded state (any ``DTensor``) stays with DCP, which reshards; so does state the ranks do not
@@ -30,11 +32,14 @@ import torch
 import xxhash
 
 from resilience.checkpoint.balance import balance
+from resilience.checkpoint.formats.balanced_load import load as stream_load
+from resilience.checkpoint.formats.balanced_load import stream_files
 from resilience.checkpoint.formats.pieces import block_of, local_tensor
 from resilience.checkpoint.layout import OPTIM_DIR, optim_shard_name
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.checkpoint.storage.safetensors_file import read_safetensors, write_safetensors
+from resilience.distributed import DistContext
 
 try:
     from torch.distributed.tensor import DTensor
@@ -66,34 +71,49 @@ def assign(tensors: dict[str, torch.Tensor], skeleton: dict[str, Any], world_siz
             if "tensor" in spec:
                 spec["file"] = optim_shard_name(owner[spec["tensor"]] + 1, world_size)
     skeleton["storage"] = STORAGE
-    skeleton["files"] = [optim_shard_name(r + 1, world_size) for r in range(world_size)]
+    skeleton["files"] = [optim_shard_name(r + 1, world_size) for r in sorted(set(owner.values()))]  # no empty files
 
 
-def save(staging: Path, tensors: dict[str, torch.Tensor], skeleton: dict[str, Any], rank: int) -> list[FileRecord]:
-    """Write this rank's file of an :func:`assign`-ed ``skeleton`` under ``staging/optim/``;
-    returns its record (digested and fsync'd while written).
+def save(staging: Path, tensors: dict[str, torch.Tensor], skeleton: dict[str, Any], rank: int, world_size: int) -> list[FileRecord]:
+    """Write this rank's file of an :func:`assign`-ed ``skeleton`` under ``staging/optim/``, when
+    it owns tensors; returns its record (digested and fsync'd while written), or nothing.
 
     Raises:
         OSError: from the writes; TypeError: a dtype safetensors cannot store.
     """
-    name = skeleton["files"][rank]
+    (staging / OPTIM_DIR).mkdir(exist_ok=True)  # skeleton.json goes there, tensors or not
+    name = optim_shard_name(rank + 1, world_size)
+    if name not in skeleton["files"]:
+        return []
     mine = {spec["tensor"]: spec for entries in skeleton["state"].values() for spec in entries.values() if spec.get("file") == name}
     out = {key: tensors[key].detach().cpu().contiguous() for key in mine}  # copies only off-CPU or strided state
-    (staging / OPTIM_DIR).mkdir(exist_ok=True)
     return [write_safetensors(staging / OPTIM_DIR / name, out, f"{OPTIM_DIR}/{name}")]
 
 
-def load(directory: Path, skeleton: dict[str, Any], targets: dict[str, torch.Tensor], check: ContentCheck | None = None) -> None:
+def load(
+    directory: Path, skeleton: dict[str, Any], targets: dict[str, torch.Tensor], check: ContentCheck | None = None, balanced: DistContext | None = None
+) -> None:
     """Fill ``targets`` (key -> the tensor to restore: the optimizer's live one, or a new one)
     from the files of ``skeleton``: read straight into a target that is a contiguous CPU tensor
     of the stored shape and dtype; copied into one of that shape and dtype elsewhere (a GPU, a
     ``DTensor``: its local block); replaced otherwise. Each file of ``check``'s share is
-    digested as it is read.
+    digested as it is read. ``balanced`` (a collective over it): each rank reads 1/N of the
+    files' bytes and receives the rest (:mod:`~resilience.checkpoint.formats.balanced_load`).
 
     Raises:
         ValueError: a tensor of the skeleton in no file, or a malformed file.
     """
     wanted = {spec["tensor"]: spec for entries in skeleton["state"].values() for spec in entries.values() if "tensor" in spec}
+    if balanced is not None:
+        specs: dict[str, dict[str, Any]] = {}
+        for key, spec in wanted.items():
+            specs.setdefault(f"{OPTIM_DIR}/{spec['file']}", {})[key] = (getattr(torch, spec["dtype"]), list(spec["shape"]))
+        rels = stream_files("optim", check, [f"{OPTIM_DIR}/{name}" for name in skeleton["files"]])
+        got = stream_load(balanced, directory, rels, specs, {k: t for k, t in targets.items() if not isinstance(t, DTensor)}, check)
+        with torch.no_grad():
+            for key, t in got.items():
+                targets[key] = _place(targets[key], t) if key in targets else t
+        return
     found: set[str] = set()
     for name in skeleton["files"]:
         rel = f"{OPTIM_DIR}/{name}"

@@ -33,6 +33,7 @@ from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.dcp_io import UnsafeCheckpointError  # noqa: F401  (re-exported)
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.config.checks import ConfigError
+from resilience.distributed import DistContext
 from resilience.state import tagged_json
 
 log = logging.getLogger("resilience.checkpoint")
@@ -122,21 +123,30 @@ def save_optimizer(
         written: list[str | FileRecord] = [rec.under(OPTIM_DIR) for rec in dcp_io.save_tensors(tensors, staging / OPTIM_DIR, rank=rank, group=group)]
     else:
         optim_files.assign(tensors, skeleton, world_size)  # the same on every rank: no collective
-        written = list(optim_files.save(staging, tensors, skeleton, rank))
+        written = list(optim_files.save(staging, tensors, skeleton, rank, world_size))
     if rank == 0:
         (staging / SKELETON).write_text(json.dumps(skeleton))
         written.append(SKELETON)
     return written
 
 
-def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group: Any, check: ContentCheck | None = None) -> None:
+def load_optimizer(
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    group: Any,
+    check: ContentCheck | None = None,
+    balanced: DistContext | None = None,
+) -> None:
     """Restore the optimizer state in place (collective over ``group`` for DCP's files).
 
     The state is read into the optimizer's current state tensors where they match in shape and
     dtype (an optimizer that has stepped), else into new ones (a fresh optimizer has no state
     yet), sharded like their parameter where it is a ``DTensor`` (DCP reshards: each rank reads
     its own shard, whatever the saving mesh was). Our own files are read whole by every rank,
-    those of ``check``'s share digested as they pass.
+    those of ``check``'s share digested as they pass; with ``balanced`` (a collective over it)
+    each rank reads 1/N of their bytes and receives the rest.
 
     The saved param groups must be this optimizer's: the same count and the same parameters in
     each. Their saved hyperparameters then replace the current ones (the LR schedule's ``lr``);
@@ -179,7 +189,7 @@ def load_optimizer(directory: Path, model: torch.nn.Module, optimizer: torch.opt
     if (directory / OPTIM_DIR / DCP_METADATA).is_file():
         dcp_io.load_tensors(tensors, directory / OPTIM_DIR, group=group)
     else:
-        optim_files.load(directory, skeleton, tensors, check)
+        optim_files.load(directory, skeleton, tensors, check, balanced)
     for fqn, entries in skeleton["state"].items():
         for name, spec in entries.items():
             if "tensor" in spec and "part_of" not in spec:
