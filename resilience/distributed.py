@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from resilience.env_names import COLLECTIVE_TIMEOUT_ENV
@@ -106,6 +107,16 @@ class DistContext:
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
+
+    def same_everywhere(self, fingerprint: str) -> bool:
+        """Whether every rank passed the same ``fingerprint`` (a hex digest): one all-reduce (MAX)
+        of two int64s (its first 60 bits and their negation), not a gather of every rank's."""
+        if not self.distributed:
+            return True
+        value = int(fingerprint[:15], 16)
+        box = torch.tensor([value, -value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
+        return int(box[0]) == value and int(box[1]) == -value
 
     def barrier(self) -> None:
         """Wait for every rank on our gloo group."""

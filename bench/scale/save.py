@@ -35,7 +35,6 @@ from bench.scale.sim import Cell, SimContext
 from resilience.checkpoint import parts as ckpt_parts
 from resilience.checkpoint import writer
 from resilience.checkpoint.formats import optim_files, shard_files
-from resilience.checkpoint.formats.pieces import Plan
 from resilience.checkpoint.layout import LATEST, OPTIM_DIR, STAGING_PREFIX, checkpoint_name, dataloader_rank_file
 from resilience.checkpoint.policy import retention
 from resilience.checkpoint.policy.lowest_val import LowestVal
@@ -88,7 +87,6 @@ class PeerFiles:
     def __init__(self, cell: Cell, staging: Path, keep: dict[str, Any], parts: list[Any]):
         self.cell, self.staging, self.keep = cell, staging, keep
         self.by_part = {part.name: part for part in parts}
-        self._shares: dict[int, Plan] | None = None
         self._inputs: dict[str, Any] | None = None
 
     def __call__(self, q: int) -> list[FileRecord]:
@@ -100,26 +98,15 @@ class PeerFiles:
             _, tensors, skeleton, _ = self._inputs["optim_files.save"]
             records += optim_files.save(self.staging, tensors, skeleton, q)
         else:
-            share = self._share(plan, q)
-            local = {key: torch.empty(info["pieces"][0]["shape"], dtype=getattr(torch, info["dtype"])) for key, info in share.tensors.items()}
-            records = shard_files.write_rank_files(model_dir, local, share, index, q)
+            mine = plan.mine(q)  # rank q's pieces: a rule's by arithmetic on q, as rank q finds them
+            local = {key: torch.empty(piece["shape"], dtype=getattr(torch, plan.tensors[key]["dtype"])) for key, piece in mine}
+            records = shard_files.write_rank_files(model_dir, local, plan, index, q)
             records += [rec.under(OPTIM_DIR) for rec in self.cell.dcp_peer_records.pop(q, [])]  # none without a DCP optimizer
         _, captured = self.by_part["rng"].args
         rels = ckpt_parts._write_rng(self.staging, q, captured)
         _, text = self.by_part["dataloader"].args
         rels += ckpt_parts._write_text(self.staging, dataloader_rank_file(q), text)
         return records + [record(self.staging, rel) for rel in rels]
-
-    def _share(self, plan: Plan, q: int) -> Plan:
-        """Rank q's pieces of a sharded plan (one pass over the plan for all ranks)."""
-        if self._shares is None:
-            shares: dict[int, dict[str, dict[str, Any]]] = {}
-            for key, info in plan.tensors.items():
-                for piece in info["pieces"]:
-                    entry = shares.setdefault(piece["rank"], {}).setdefault(key, {"shape": info["shape"], "dtype": info["dtype"], "pieces": []})
-                    entry["pieces"].append(piece)
-            self._shares = {rank: Plan(tensors, plan.world_size) for rank, tensors in shares.items()}
-        return self._shares.get(q, Plan({}, plan.world_size))
 
 
 def simulate_save(cell: Cell, rank: int, state: TrainingState, root: Path, keep: dict[str, Any]) -> dict[str, Any]:

@@ -157,12 +157,17 @@ def save_model(
     )
 
 
-def save_problem(model: torch.nn.Module, *, rank: int, world_size: int, gather: Callable[[Any], list[Any]]) -> str | None:
+def save_problem(
+    model: torch.nn.Module, *, rank: int, world_size: int, gather: Callable[[Any], list[Any]], agree: Callable[[str], bool] | None = None
+) -> str | None:
     """Why ``model`` cannot be saved with ``model_save_format: safetensors``, or ``None``; checked
     before training (``resilient_loop()``), so a first save never finds it. For a sharded model
-    (``DTensor`` parameters) a collective through ``gather`` (``DistContext.all_gather_object``),
-    answering the same on every rank: a placement other than ``Shard``/``Replicate``
-    (``Partial``), or shards whose offsets do not tile their tensor."""
+    (``DTensor`` parameters) a collective through ``gather`` (``DistContext.all_gather_object``)
+    and ``agree`` (``DistContext.same_everywhere``: whether every rank passed the same digest;
+    default: compared through ``gather``), answering the same on every rank: a placement other
+    than ``Shard``/``Replicate`` (``Partial``), ranks whose layouts differ (the sharding rules
+    every save then plans alone would not be the same), or shards whose offsets do not tile
+    their tensor."""
     if hf_export.is_peft_model(model):
         return None
     # A model with no DTensor has nothing to check; no state-dict pass (which, for a model without
@@ -175,6 +180,10 @@ def save_problem(model: torch.nn.Module, *, rank: int, world_size: int, gather: 
     problems = [p for p in gather(pieces.unsupported(state)) if p] if world_size > 1 else [pieces.unsupported(state)]
     if any(problems):
         return next(p for p in problems if p)
+    fingerprint = pieces.layout_fingerprint(state, world_size)
+    alike = agree(fingerprint) if agree is not None else len(set(gather(fingerprint))) == 1
+    if world_size > 1 and not alike:
+        return "the ranks' models differ in keys, shapes, dtypes, placements or meshes (every rank must build the same model)"
     try:
         pieces.make_plan(state, rank=rank, world_size=world_size, gather=gather)
     except ValueError as exc:
@@ -232,8 +241,7 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, ch
         dcp_io.load_tensors(state, model_dir, group=group)
         set_model_state_dict(model, state)
     else:
-        layout = sharded_model.read_layout(model_dir)
-        aliases = sharded_model.read_aliases(model_dir)
+        layout, aliases = sharded_model.read_index(model_dir)  # one parse; a rule's pieces are found by the loader
         live = get_model_state_dict(model)  # the model's own tensors: read into them in place
         if pieces.is_sharded(live) or any(info["shard"] is None for info in layout.values()):
             shard_files.load_by_slices(model_dir, layout, live, aliases)  # each rank reads what overlaps its blocks
