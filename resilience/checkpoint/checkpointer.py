@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from resilience.checkpoint.async_writer import AsyncWriter
+from resilience.checkpoint.formats.plan_cache import LayoutCache
 from resilience.checkpoint.layout import checkpoint_name
 from resilience.checkpoint.loading import Restored
 from resilience.checkpoint.parts import Part, checkpoint_parts, epoch_of
@@ -109,6 +110,8 @@ class Checkpointer(Resuming):
         self._async: AsyncWriter | None = None
         self._async_ctx: DistContext | None = None
         self._buffers = StagingBuffers()
+        self._layout_cache = LayoutCache(enabled=config.save_global_layout_cache)
+        """The model's save plan and index, reused while its layout is unchanged (plan_cache.py)."""
         self._check_root()
         check_savable(config, state.model, ctx)  # a model the format cannot save: refused before training
         if config.is_async and config.enabled and config.enable_save:
@@ -310,6 +313,7 @@ class Checkpointer(Resuming):
             global_batch_size=self.global_batch_size,
             training_rows=self.training_rows,
             validation=self.validation,
+            layout_cache=self._layout_cache,
         )
 
 

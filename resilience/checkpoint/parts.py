@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from resilience.checkpoint.formats import hf_export, model_io, optim_io, pieces
 from resilience.checkpoint.formats.bundle_shards import write_bundle_share
 from resilience.checkpoint.formats.extra_state import save_extra_state
+from resilience.checkpoint.formats.plan_cache import LayoutCache
 from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, RNG_DIR, STEP_SCHEDULER, TRASH_PREFIX, dataloader_rank_file, rng_rank_file
 from resilience.checkpoint.policy.lowest_val import json_safe
 from resilience.checkpoint.staging import StagingBuffers
@@ -80,6 +81,7 @@ def checkpoint_parts(
     global_batch_size: int | None,
     training_rows: list[dict[str, Any]],
     validation: dict[int, dict[str, Any]],
+    layout_cache: LayoutCache | None = None,
 ) -> list[Part]:
     """The pieces of this checkpoint on this rank, every value captured now (the parts only write).
 
@@ -87,7 +89,8 @@ def checkpoint_parts(
     save). With ``buffers`` (a snapshot) the model and optimizer tensors are copied into them, so
     the parts can run in the background while training changes the live tensors. Rank 0 adds
     the run's records: ``config.yaml``, counters, ``common.json`` and ``losses.json`` (from
-    ``training_rows`` and ``validation``).
+    ``training_rows`` and ``validation``). ``layout_cache`` (the checkpointer's) reuses the
+    model's plan and index while its layout is unchanged.
     """
     rank = ctx.rank
     parts = []
@@ -101,7 +104,8 @@ def checkpoint_parts(
         if buffers is not None:
             tensors = buffers.copy_in(tensors, prefix="optim.")
         parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), {"rank": rank, "world_size": ctx.world_size, "group": group}, by=by))
-    parts += _model_parts(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers, tensors=model_state)  # every rank writes its shard
+    # every rank writes its shard
+    parts += _model_parts(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers, tensors=model_state, layout_cache=layout_cache)
     if rank == 0:
         if state.lr_scheduler is not None:
             parts.append(_json_part("lr_scheduler", LR_SCHEDULER, optim_io.lr_scheduler_json(state.lr_scheduler)))
@@ -138,6 +142,7 @@ def _model_parts(
     root: Path,
     buffers: StagingBuffers | None,
     tensors: dict[str, Any] | None = None,
+    layout_cache: LayoutCache | None = None,
 ) -> list[Part]:
     """The model's part; with a Hugging Face bundle of a sharded (DTensor) model, also the part that
     streams it from every rank's shards once they are all written (no rank holds the full model).
@@ -163,7 +168,10 @@ def _model_parts(
     # collective), so the part itself (possibly in the background) only writes; a replicated
     # model's plan needs no peer, and is made by the part, off the time training waits.
     sharded = fmt == "safetensors" and pieces.is_sharded(tensors)
-    plan = pieces.make_plan(tensors, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object) if sharded else None
+    plan = None
+    if sharded:
+        make = lambda: pieces.make_plan(tensors, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object)  # noqa: E731
+        plan = layout_cache.plan(tensors, ctx.world_size, aliases, make) if layout_cache is not None else make()
     if buffers is not None:
         tensors = buffers.copy_in(tensors, prefix="model.")
     model = Part(
@@ -180,6 +188,7 @@ def _model_parts(
             "state_dict": tensors,
             "aliases": aliases,
             "plan": plan,
+            "layout_cache": layout_cache,
         },
         by="all ranks" if fmt == "torch_save" else "each rank",
     )

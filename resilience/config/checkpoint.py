@@ -11,7 +11,7 @@ from resilience.config.checks import ConfigError, check_bool, check_int, check_l
 
 def _check_retention_and_mindspore_keys(cfg: CheckpointConfig) -> None:
     """Validate the retention, LOWEST_VAL and MindSpore Transformers keys of ``checkpoint``."""
-    for key in ("is_async", "enable_save", "no_save_optim", "no_load_optim", "load_balanced"):
+    for key in ("is_async", "enable_save", "no_save_optim", "no_load_optim", "load_balanced", "save_global_layout_cache"):
         check_bool(f"checkpoint.{key}", getattr(cfg, key))
     if isinstance(cfg.async_timeout_s, bool) or not isinstance(cfg.async_timeout_s, (int, float)) or cfg.async_timeout_s <= 0:
         raise ConfigError(f"checkpoint.async_timeout_s: expected a number of seconds > 0, got {cfg.async_timeout_s!r}")
@@ -102,6 +102,10 @@ class CheckpointConfig:
     when ``checkpoint_dir`` holds no checkpoint of its own yet ("" or null: none)."""
     load_balanced: bool = False
     """MindSpore Transformers: accepted; a no-op (there are no redundant shards to balance here)."""
+    save_global_layout_cache: bool = True
+    """MindSpore Transformers: reuse the model's save plan and ``shard_index.json`` while the layout
+    (keys, shapes, dtypes, placements, mesh, world size) is unchanged, so the second and later
+    saves do no planning and no planning collective; ``false`` plans every save."""
     prefix: str | None = "checkpoint"
     """MindSpore Transformers' file-name prefix: accepted, changes no name (the layout is NeMo's)."""
     model_save_format: str = "safetensors"

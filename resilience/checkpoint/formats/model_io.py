@@ -56,6 +56,7 @@ except ImportError:  # torch < 2.5
 
 from resilience.checkpoint.formats import consolidate as consolidation
 from resilience.checkpoint.formats import hf_export, pieces, shard_files, sharded_model
+from resilience.checkpoint.formats.plan_cache import LayoutCache
 from resilience.checkpoint.layout import (
     ADAPTER_CONFIG,
     CONSOLIDATE_SH,
@@ -99,6 +100,7 @@ def save_model(
     state_dict: dict[str, torch.Tensor] | None = None,
     aliases: dict[str, str] | None = None,
     plan: pieces.Plan | None = None,
+    layout_cache: LayoutCache | None = None,
 ) -> list[str | FileRecord]:
     """Write this rank's part of the model into ``staging/model/``; returns what it wrote: records
     of the files digested and fsync'd while written (weight shards, DCP files) and the relative
@@ -111,7 +113,8 @@ def save_model(
     comes with the aliases of the live model and without their keys. safetensors only.
     ``plan`` (:func:`pieces.make_plan` of ``state_dict``, made where the snapshot was taken) says
     which rank writes which piece; by default it is made here (a collective over ``group`` for a
-    sharded model).
+    sharded model). ``layout_cache`` (:class:`LayoutCache`) reuses the plan and the index
+    document of an earlier save of the same layout.
 
     Call it on every rank: with ``save_format="torch_save"``, or a sharded model without ``plan``,
     it is a collective over ``group``.
@@ -154,6 +157,7 @@ def save_model(
         tokenizer=tokenizer,
         max_file_bytes=max_file_bytes,
         aliases=aliases,
+        layout_cache=layout_cache,
     )
 
 
@@ -311,16 +315,22 @@ def _save_sharded(
     tokenizer: Any,
     max_file_bytes: int,
     aliases: dict[str, str],
+    layout_cache: LayoutCache | None = None,
 ) -> list[str | FileRecord]:
     problem = pieces.unsupported(state)
     if problem:
         raise NotImplementedError(f"model_save_format: safetensors: {problem}")
     if plan is None:
-        plan = pieces.make_plan(state, rank=rank, world_size=world_size, gather=DistContext(rank, world_size, group).all_gather_object)
+        make = lambda: pieces.make_plan(state, rank=rank, world_size=world_size, gather=DistContext(rank, world_size, group).all_gather_object)  # noqa: E731
+        plan = layout_cache.plan(state, world_size, aliases, make) if layout_cache is not None else make()
     originals = hf_export.original_tensors(model)
-    nbytes = [(key, math.prod(info["shape"]) * getattr(torch, info["dtype"]).itemsize) for key, info in plan.tensors.items()]
-    file_of, num_files = _file_plan(nbytes, originals, max_file_bytes)
-    index = shard_files.index_doc(plan, file_of, num_files, originals, aliases, bundle_omits(model, aliases))
+
+    def make_index() -> dict[str, Any]:
+        nbytes = [(key, math.prod(info["shape"]) * getattr(torch, info["dtype"]).itemsize) for key, info in plan.tensors.items()]
+        file_of, num_files = _file_plan(nbytes, originals, max_file_bytes)
+        return shard_files.index_doc(plan, file_of, num_files, originals, aliases, bundle_omits(model, aliases))
+
+    index = layout_cache.index(plan, make_index) if layout_cache is not None else make_index()  # built once per layout
     written: list[str | FileRecord] = list(shard_files.write_rank_files(staging / MODEL_DIR, state, plan, index, rank))
     if rank != 0:
         return written
