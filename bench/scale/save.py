@@ -34,7 +34,7 @@ from bench.scale.probe import PROBE
 from bench.scale.sim import Cell, SimContext
 from resilience.checkpoint import parts as ckpt_parts
 from resilience.checkpoint import writer
-from resilience.checkpoint.formats import optim_files, shard_files
+from resilience.checkpoint.formats import optim_files, optim_shards, shard_files
 from resilience.checkpoint.layout import LATEST, OPTIM_DIR, STAGING_PREFIX, checkpoint_name, dataloader_rank_file
 from resilience.checkpoint.policy import retention
 from resilience.checkpoint.policy.lowest_val import LowestVal
@@ -91,7 +91,8 @@ class PeerFiles:
 
     def __call__(self, q: int) -> list[FileRecord]:
         if self._inputs is None:  # rank 0's own calls, before any peer's overwrites them
-            self._inputs = {label: self.keep[label][0] for label in ("shard_files.write_rank_files", "optim_files.save") if label in self.keep}
+            labels = ("shard_files.write_rank_files", "optim_files.save", "optim_shards.save")
+            self._inputs = {label: self.keep[label][0] for label in labels if label in self.keep}
         model_dir, state, plan, index, _ = self._inputs["shard_files.write_rank_files"]
         if self.cell.mode == "ddp":
             records = shard_files.write_rank_files(model_dir, state, plan, index, q)  # every rank holds every tensor
@@ -101,6 +102,11 @@ class PeerFiles:
             mine = plan.mine(q)  # rank q's pieces: a rule's by arithmetic on q, as rank q finds them
             local = {key: torch.empty(piece["shape"], dtype=getattr(torch, plan.tensors[key]["dtype"])) for key, piece in mine}
             records = shard_files.write_rank_files(model_dir, local, plan, index, q)
+            if "optim_shards.save" in self._inputs:  # the sharded optimizer's pieces, as rank q writes them
+                _, tensors, skeleton, _ = self._inputs["optim_shards.save"]
+                mine = skeleton[optim_shards.PLAN].mine(q)
+                local = {key: torch.empty(piece["shape"], dtype=tensors[key].dtype) for key, piece in mine}
+                records += optim_shards.save(self.staging, local, skeleton, q)
             records += [rec.under(OPTIM_DIR) for rec in self.cell.dcp_peer_records.pop(q, [])]  # none without a DCP optimizer
         _, captured = self.by_part["rng"].args
         rels = ckpt_parts._write_rng(self.staging, q, captured)

@@ -106,6 +106,9 @@ def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None,
     return out
 
 
+SMALL_ELEMENTS = 4096
+
+
 class SafeOpen:
     """``safetensors.safe_open`` for ``load_by_slices``: the header is read, each slice counted."""
 
@@ -118,8 +121,11 @@ class SafeOpen:
         return torch.empty(info["shape"], dtype=dtype_of(info["dtype"]), device="meta")
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        """The whole tensor (counted), as a meta tensor."""
+        """The whole tensor (counted), as a meta tensor; a small one (an optimizer's step
+        counter, loaded into a plain CPU tensor) as zeros on the CPU."""
         t = self._meta(name)
+        if t.numel() <= SMALL_ELEMENTS:
+            t = torch.zeros_like(t, device="cpu")
         PROBE.add_read("own", t.numel() * t.element_size())
         return t
 

@@ -112,6 +112,8 @@ class Checkpointer(Resuming):
         self._buffers = StagingBuffers()
         self._layout_cache = LayoutCache(enabled=config.save_global_layout_cache)
         """The model's save plan and index, reused while its layout is unchanged (plan_cache.py)."""
+        self._optim_cache = LayoutCache(enabled=config.save_global_layout_cache)
+        """The same for a sharded optimizer state's pieces (optim_shards.py)."""
         self._check_root()
         check_savable(config, state.model, ctx)  # a model the format cannot save: refused before training
         if config.is_async and config.enabled and config.enable_save:
@@ -314,6 +316,7 @@ class Checkpointer(Resuming):
             training_rows=self.training_rows,
             validation=self.validation,
             layout_cache=self._layout_cache,
+            optim_cache=self._optim_cache,
         )
 
 

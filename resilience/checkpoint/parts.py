@@ -82,6 +82,7 @@ def checkpoint_parts(
     training_rows: list[dict[str, Any]],
     validation: dict[int, dict[str, Any]],
     layout_cache: LayoutCache | None = None,
+    optim_cache: LayoutCache | None = None,
 ) -> list[Part]:
     """The pieces of this checkpoint on this rank, every value captured now (the parts only write).
 
@@ -89,8 +90,8 @@ def checkpoint_parts(
     save). With ``buffers`` (a snapshot) the model and optimizer tensors are copied into them, so
     the parts can run in the background while training changes the live tensors. Rank 0 adds
     the run's records: ``config.yaml``, counters, ``common.json`` and ``losses.json`` (from
-    ``training_rows`` and ``validation``). ``layout_cache`` (the checkpointer's) reuses the
-    model's plan and index while its layout is unchanged.
+    ``training_rows`` and ``validation``). ``layout_cache`` and ``optim_cache`` (the
+    checkpointer's) reuse the model's and a sharded optimizer's plans while the layout is unchanged.
     """
     rank = ctx.rank
     parts = []
@@ -99,7 +100,9 @@ def checkpoint_parts(
         # Both state dicts in one call: torch's helpers map every parameter to its name once, not
         # twice (for an asynchronous save this runs while training waits).
         model_state, optim_state = get_state_dict(state.model, state.optimizer)
-        tensors, skeleton = optim_io.capture_optimizer(state.model, state.optimizer, world_size=ctx.world_size, gather=ctx.all_gather_object, state=optim_state)
+        tensors, skeleton = optim_io.capture_optimizer(
+            state.model, state.optimizer, world_size=ctx.world_size, gather=ctx.all_gather_object, state=optim_state, rank=rank, cache=optim_cache
+        )
         by = "all ranks" if optim_io.uses_dcp((tensors, skeleton)) else "each rank"  # DCP's save is a collective
         if buffers is not None:
             tensors = buffers.copy_in(tensors, prefix="optim.")

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from resilience import ExitCode
 from resilience.checkpoint.balance import balance
 from resilience.checkpoint.formats.pieces import Block, _assign, overlap_slices
-from resilience.checkpoint.layout import LATEST, MODEL_DIR, TRAINING_LOG
+from resilience.checkpoint.layout import LATEST, MODEL_DIR, OPTIM_DIR, TRAINING_LOG
 from resilience.checkpoint.storage.manifest import validate
 from resilience.checkpoint.storage.safetensors_file import read_safetensors_header
 from sharded_runs import assert_equal_tensors, bytes_per_rank, index_pieces, optimizer_state, record, run, shard_index, stored_copies, weights
@@ -98,6 +98,12 @@ def test_overlap_slices_give_the_common_region_in_both_blocks():
 def test_fsdp2_on_two_ranks_writes_half_the_model_per_rank_torch_reads_it_and_the_resume_is_bitwise(tmp_path, fsdp2_uninterrupted):
     ckpt, first, second = _interrupted_and_resumed(tmp_path, "fsdp", 2)
     _about_one_nth(ckpt, 2)
+    optim = ckpt / LATEST / OPTIM_DIR  # the sharded optimizer state: per-rank pieces by rule, not DCP
+    skeleton = json.loads((optim / "skeleton.json").read_text())
+    assert skeleton["storage"] == "sharded_safetensors" and not (optim / ".metadata").exists()
+    assert skeleton["index"]["tensors"]["state.up.weight.exp_avg"]["rule"] == {"mesh": [2], "dims": [0], "replica": 0}
+    sizes = [(optim / f"shard-0000{k}-model-00001-of-00001.safetensors").stat().st_size for k in (1, 2)]
+    assert abs(sizes[0] - sizes[1]) <= 0.2 * sum(sizes), f"{sizes}: not about half each"
     model_dir = ckpt / LATEST / MODEL_DIR
     index = shard_index(ckpt)
     assert index["version"] == 3 and index["tensors"]["up.weight"]["shape"] == [10, 6]

@@ -108,6 +108,13 @@ def write_rank_files(model_dir: Path, state: dict[str, torch.Tensor], plan: Plan
     Raises:
         OSError: from the writes; TypeError: a dtype safetensors cannot store.
     """
+    return write_pieces(model_dir, state, plan, index, rank)
+
+
+def write_pieces(directory: Path, state: dict[str, torch.Tensor], plan: Plan, index: dict[str, Any], rank: int) -> list[FileRecord]:
+    """:func:`write_rank_files` into any ``directory`` (the model's, or ``optim/`` for a sharded
+    optimizer state, :mod:`~resilience.checkpoint.formats.optim_shards`)."""
+    model_dir = directory
     files: dict[str, dict[str, torch.Tensor]] = {}
     info: dict[str, dict[str, Any]] = {}
     for key, piece in plan.mine(rank):

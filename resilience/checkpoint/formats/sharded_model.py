@@ -59,18 +59,23 @@ def read_index(model_dir: Path, *, expand: bool = False) -> tuple[dict[str, dict
     index_path = model_dir / SHARD_INDEX
     if index_path.is_file():
         index = json.loads(index_path.read_text())
-        layout = {}
-        for key, info in index["tensors"].items():
-            entry = {**info, "shard": index["weight_map"].get(key), "num_files": index["num_files"]}
-            if "rule" in info:
-                entry["rule"] = Rule.from_json(info["rule"])
-                if expand:
-                    entry["pieces"] = overlapping(entry)
-            elif "pieces" not in info:  # version 1: every key whole, in its weight_map file
-                entry["pieces"] = [{"file": index["weight_map"][key], "offsets": [0] * len(info["shape"]), "shape": info["shape"]}]
-            layout[key] = entry
-        return layout, _aliases(index)
+        return layout_of(index, expand=expand), _aliases(index)
     return _layout_from_headers(model_dir), {}
+
+
+def layout_of(index: dict[str, Any], *, expand: bool = False) -> dict[str, dict[str, Any]]:
+    """The layout (see :func:`read_index`) of a ``shard_index.json`` document ``index``."""
+    layout = {}
+    for key, info in index["tensors"].items():
+        entry = {**info, "shard": index["weight_map"].get(key), "num_files": index["num_files"]}
+        if "rule" in info:
+            entry["rule"] = Rule.from_json(info["rule"])
+            if expand:
+                entry["pieces"] = overlapping(entry)
+        elif "pieces" not in info:  # version 1: every key whole, in its weight_map file
+            entry["pieces"] = [{"file": index["weight_map"][key], "offsets": [0] * len(info["shape"]), "shape": info["shape"]}]
+        layout[key] = entry
+    return layout
 
 
 def _layout_from_headers(model_dir: Path) -> dict[str, dict[str, Any]]:
