@@ -171,10 +171,8 @@ def _model_parts(
     # collective), so the part itself (possibly in the background) only writes; a replicated
     # model's plan needs no peer, and is made by the part, off the time training waits.
     sharded = fmt == "safetensors" and pieces.is_sharded(tensors)
-    plan = None
-    if sharded:
-        make = lambda: pieces.make_plan(tensors, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object)  # noqa: E731
-        plan = layout_cache.plan(tensors, ctx.world_size, aliases, make) if layout_cache is not None else make()
+    cache = layout_cache if layout_cache is not None else LayoutCache(enabled=False)
+    plan = cache.plan(tensors, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object, aliases=aliases) if sharded else None
     if buffers is not None:
         tensors = buffers.copy_in(tensors, prefix="model.")
     model = Part(
