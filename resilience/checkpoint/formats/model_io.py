@@ -320,17 +320,15 @@ def _save_sharded(
     problem = pieces.unsupported(state)
     if problem:
         raise NotImplementedError(f"model_save_format: safetensors: {problem}")
+    cache = layout_cache if layout_cache is not None else LayoutCache(enabled=False)
     if plan is None:
-        make = lambda: pieces.make_plan(state, rank=rank, world_size=world_size, gather=DistContext(rank, world_size, group).all_gather_object)  # noqa: E731
-        plan = layout_cache.plan(state, world_size, aliases, make) if layout_cache is not None else make()
+        plan = cache.plan(state, rank=rank, world_size=world_size, gather=DistContext(rank, world_size, group).all_gather_object, aliases=aliases)
     originals = hf_export.original_tensors(model)
-
-    def make_index() -> dict[str, Any]:
+    index = cache.index(plan)  # built once per layout
+    if index is None:
         nbytes = [(key, math.prod(info["shape"]) * getattr(torch, info["dtype"]).itemsize) for key, info in plan.tensors.items()]
         file_of, num_files = _file_plan(nbytes, originals, max_file_bytes)
-        return shard_files.index_doc(plan, file_of, num_files, originals, aliases, bundle_omits(model, aliases))
-
-    index = layout_cache.index(plan, make_index) if layout_cache is not None else make_index()  # built once per layout
+        index = cache.keep_index(plan, shard_files.index_doc(plan, file_of, num_files, originals, aliases, bundle_omits(model, aliases)))
     written: list[str | FileRecord] = list(shard_files.write_rank_files(staging / MODEL_DIR, state, plan, index, rank))
     if rank != 0:
         return written

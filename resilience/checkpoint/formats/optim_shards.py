@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from resilience.checkpoint.formats import pieces, shard_files
+from resilience.checkpoint.formats import shard_files
 from resilience.checkpoint.formats.plan_cache import LayoutCache
 from resilience.checkpoint.formats.sharded_model import layout_of
 from resilience.checkpoint.layout import OPTIM_DIR
@@ -39,15 +39,11 @@ def capture(tensors: dict[str, torch.Tensor], skeleton: dict[str, Any], *, rank:
     Raises:
         ValueError: the pieces do not tile a tensor (see :func:`pieces.make_plan`).
     """
-    make = lambda: pieces.make_plan(tensors, rank=rank, world_size=world_size, gather=gather)  # noqa: E731
-    plan = cache.plan(tensors, world_size, {}, make) if cache is not None else make()
+    cache = cache if cache is not None else LayoutCache(enabled=False)
+    plan = cache.plan(tensors, rank=rank, world_size=world_size, gather=gather, aliases={})
     skeleton["storage"] = STORAGE
     skeleton[PLAN] = plan
-    skeleton["index"] = cache.index(plan, lambda: _index(plan)) if cache is not None else _index(plan)
-
-
-def _index(plan: pieces.Plan) -> dict[str, Any]:
-    return shard_files.index_doc(plan, dict.fromkeys(plan.tensors, 1), 1, {}, {}, [])
+    skeleton["index"] = cache.index(plan) or cache.keep_index(plan, shard_files.index_doc(plan, dict.fromkeys(plan.tensors, 1), 1, {}, {}, []))
 
 
 def save(staging: Path, tensors: dict[str, torch.Tensor], skeleton: dict[str, Any], rank: int) -> list[FileRecord]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from resilience.checkpoint.formats import pieces
 from resilience.checkpoint.formats.pieces import Plan, layout_fingerprint
 
 
@@ -35,26 +36,31 @@ class LayoutCache:
         self._index: tuple[Plan, dict[str, Any]] | None = None
         self._lock = threading.Lock()  # an asynchronous save's part builds the index in the background
 
-    def plan(self, state: dict[str, torch.Tensor], world_size: int, aliases: dict[str, str], make: Callable[[], Plan]) -> Plan:
+    def plan(self, state: dict[str, torch.Tensor], *, rank: int, world_size: int, gather: Callable[[Any], list[Any]], aliases: dict[str, str]) -> Plan:
         """The plan of ``state`` (its tied keys ``aliases`` left out already): the cached one when
-        the layout is unchanged, else ``make()`` (kept for the next save)."""
+        the layout is unchanged, else :func:`pieces.make_plan` (a collective through ``gather``
+        for a ``DTensor`` without a sharding rule), kept for the next save.
+
+        Raises:
+            ValueError: from :func:`pieces.make_plan`.
+        """
         key = hashlib.sha256(f"{layout_fingerprint(state, world_size)} {sorted(aliases.items())}".encode()).hexdigest()
         with self._lock:
             if self.enabled and key == self._key and self._plan is not None:
                 return self._plan
-        plan = make()
+        plan = pieces.make_plan(state, rank=rank, world_size=world_size, gather=gather)
         with self._lock:
             self._key, self._plan = key, plan
             self.plans_made += 1
         return plan
 
-    def index(self, plan: Plan, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """The index document of ``plan``: the cached one when it was built for this very plan,
-        else ``make()``."""
+    def index(self, plan: Plan) -> dict[str, Any] | None:
+        """The index document kept for this very ``plan`` (:meth:`keep_index`), or ``None``."""
         with self._lock:
-            if self.enabled and self._index is not None and self._index[0] is plan:
-                return self._index[1]
-        doc = make()
+            return self._index[1] if self.enabled and self._index is not None and self._index[0] is plan else None
+
+    def keep_index(self, plan: Plan, doc: dict[str, Any]) -> dict[str, Any]:
+        """Keep ``doc``, the index document of ``plan``, for the next save; returns it."""
         with self._lock:
             self._index = (plan, doc)
         return doc
