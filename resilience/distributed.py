@@ -182,6 +182,16 @@ class DistContext:
         if self.distributed:
             dist.broadcast(tensor, src=src, group=self.group)
 
+    def same_everywhere(self, fingerprint: str) -> bool:
+        """Whether every rank passed the same ``fingerprint`` (a hex digest): one all-reduce (MAX)
+        of two int64s (its first 60 bits and their negation), not a gather of every rank's."""
+        if not self.distributed:
+            return True
+        value = int(fingerprint[:15], 16)
+        box = torch.tensor([value, -value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
+        return int(box[0]) == value and int(box[1]) == -value
+
     def barrier(self) -> None:
         """Wait for every rank on our gloo group."""
         if self.distributed:

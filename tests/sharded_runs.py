@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from resilience.checkpoint.formats.model_io import load_model
+from resilience.checkpoint.formats.shard_files import pieces_of
 from resilience.checkpoint.layout import LATEST, MODEL_DIR, MODEL_SHARD_INDEX
 from resilience.checkpoint.storage.safetensors_file import read_safetensors_header
 from resilience.launch import launch
@@ -75,6 +76,11 @@ def assert_equal_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch
 def shard_index(ckpt: Path) -> dict:
     """``model/shard_index.json`` of the checkpoint ``LATEST`` names."""
     return json.loads((ckpt / LATEST / MODEL_SHARD_INDEX).read_text())
+
+
+def index_pieces(ckpt: Path, key: str) -> list[dict]:
+    """The stored pieces of ``key`` in ``LATEST``'s ``shard_index.json`` (a rule's expanded)."""
+    return pieces_of(shard_index(ckpt), key)
 
 
 def bytes_per_rank(ckpt: Path, world: int) -> list[int]:

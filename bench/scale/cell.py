@@ -20,11 +20,12 @@ from typing import Any
 
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from bench.scale import llama, probe, resume, save, sim, sparse
 from resilience.checkpoint import parts as ckpt_parts
 from resilience.checkpoint import reader, writer
-from resilience.checkpoint.formats import model_io, optim_files, optim_io, pieces, shard_files, sharded_model
+from resilience.checkpoint.formats import model_io, optim_files, optim_io, optim_shards, pieces, shard_files, sharded_model
 from resilience.checkpoint.policy import retention
 from resilience.checkpoint.storage import dcp_io
 
@@ -56,6 +57,9 @@ def install_spies(cap_s: float) -> dict[str, Any]:
         (shard_files, "write_rank_files", "shard_files.write_rank_files"),
         (optim_files, "assign", "optim_files.assign"),
         (optim_files, "save", "optim_files.save"),
+        (optim_shards, "capture", "optim_shards.capture (plan)"),
+        (optim_shards, "save", "optim_shards.save"),
+        (optim_shards, "load", "optim_shards.load"),
         (dcp_io, "save_tensors", "dcp_io.save_tensors (DCP save)"),
         (DefaultSavePlanner, "create_local_plan", "DCP create_local_plan (save)"),
         (DefaultSavePlanner, "create_global_plan", "DCP create_global_plan (save, coordinator)"),
@@ -94,8 +98,10 @@ def run_cell(mode: str, world_size: int, workdir: Path, out: Path, cap_s: float,
     ``dcp_max_ranks`` an ``fsdp2`` state is saved without its optimizer: DCP's coordinator holds
     every rank's plan (4.7 GB and ~1 min of CPU at 1,024 ranks here), which this machine cannot
     hold at 8,192; the table adds the optimizer's part measured at the largest N it was run at,
-    as a lower bound."""
-    with_optimizer = mode != "fsdp2" or world_size <= dcp_max_ranks
+    as a lower bound. The sharded optimizer state no longer goes through DCP (it is written as
+    per-rank pieces, ``optim_shards``), so every cell now runs with its optimizer and
+    ``dcp_max_ranks`` only matters to a state that still would."""
+    with_optimizer = True  # dcp_max_ranks: for a state saved through DCP; none of the bench's is now
     root = workdir / f"{mode}-{world_size}" / "checkpoints"
     shutil.rmtree(root.parent, ignore_errors=True)
     root.mkdir(parents=True)
@@ -114,6 +120,7 @@ def run_cell(mode: str, world_size: int, workdir: Path, out: Path, cap_s: float,
                 # What the simulation keeps (rank 0's results for rank r: every rank's plans) must not
                 # slow the rank's own work through the cyclic collector's passes over it.
                 gc.freeze()
+                _fresh_dcp_plan_caches()  # each simulated rank is a process of its own: no plan cached by another
                 mesh = llama.start_rank(mode, rank, world_size)
                 try:
                     device = "meta" if phase == "resume" and mode == "fsdp2" else "cpu"  # its loader copies into the live shards
@@ -142,6 +149,14 @@ def run_cell(mode: str, world_size: int, workdir: Path, out: Path, cap_s: float,
         undo()
         shutil.rmtree(root.parent, ignore_errors=True)
     return doc
+
+
+def _fresh_dcp_plan_caches() -> None:
+    """Empty DCP's class-level plan caches (``dcp_io.caching_planner``), as in a new process."""
+    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan"):
+        cache = getattr(SavePlanner, name, None)
+        if isinstance(cache, dict):
+            cache.clear()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,7 @@ from bench.scale.probe import PROBE
 from bench.scale.sim import Cell, SimContext
 from resilience.checkpoint import parts as ckpt_parts
 from resilience.checkpoint import writer
-from resilience.checkpoint.formats import optim_files, shard_files
-from resilience.checkpoint.formats.pieces import Plan
+from resilience.checkpoint.formats import optim_files, optim_shards, shard_files
 from resilience.checkpoint.layout import LATEST, OPTIM_DIR, PRUNING_PREFIX, STAGING_PREFIX, checkpoint_name
 from resilience.checkpoint.policy import retention
 from resilience.checkpoint.policy.lowest_val import LowestVal
@@ -90,36 +89,30 @@ class PeerFiles:
     def __init__(self, cell: Cell, staging: Path, keep: dict[str, Any], parts: list[Any]):
         self.cell, self.staging, self.keep = cell, staging, keep
         self.by_part = {part.name: part for part in parts}
-        self._shares: dict[int, Plan] | None = None
         self._inputs: dict[str, Any] | None = None
 
     def __call__(self, q: int) -> list[FileRecord]:
         if self._inputs is None:  # rank 0's own calls, before any peer's overwrites them
-            self._inputs = {label: self.keep[label][0] for label in ("shard_files.write_rank_files", "optim_files.save") if label in self.keep}
+            labels = ("shard_files.write_rank_files", "optim_files.save", "optim_shards.save")
+            self._inputs = {label: self.keep[label][0] for label in labels if label in self.keep}
         model_dir, state, plan, index, _ = self._inputs["shard_files.write_rank_files"]
         if self.cell.mode == "ddp":
             records = shard_files.write_rank_files(model_dir, state, plan, index, q)  # every rank holds every tensor
             _, tensors, skeleton, _, world_size = self._inputs["optim_files.save"]
             records += optim_files.save(self.staging, tensors, skeleton, q, world_size)
         else:
-            share = self._share(plan, q)
-            local = {key: torch.empty(info["pieces"][0]["shape"], dtype=getattr(torch, info["dtype"])) for key, info in share.tensors.items()}
-            records = shard_files.write_rank_files(model_dir, local, share, index, q)
+            mine = plan.mine(q)  # rank q's pieces: a rule's by arithmetic on q, as rank q finds them
+            local = {key: torch.empty(piece["shape"], dtype=getattr(torch, plan.tensors[key]["dtype"])) for key, piece in mine}
+            records = shard_files.write_rank_files(model_dir, local, plan, index, q)
+            if "optim_shards.save" in self._inputs:  # the sharded optimizer's pieces, as rank q writes them
+                _, tensors, skeleton, _ = self._inputs["optim_shards.save"]
+                mine = skeleton[optim_shards.PLAN].mine(q)
+                local = {key: torch.empty(piece["shape"], dtype=tensors[key].dtype) for key, piece in mine}
+                records += optim_shards.save(self.staging, local, skeleton, q)
             records += [rec.under(OPTIM_DIR) for rec in self.cell.dcp_peer_records.pop(q, [])]  # none without a DCP optimizer
         _, captured, position = self.by_part["rank_state"].args
         rels = ckpt_parts._write_rank_state(self.staging, q, captured, position)
         return records + [record(self.staging, rel) for rel in rels]
-
-    def _share(self, plan: Plan, q: int) -> Plan:
-        """Rank q's pieces of a sharded plan (one pass over the plan for all ranks)."""
-        if self._shares is None:
-            shares: dict[int, dict[str, dict[str, Any]]] = {}
-            for key, info in plan.tensors.items():
-                for piece in info["pieces"]:
-                    entry = shares.setdefault(piece["rank"], {}).setdefault(key, {"shape": info["shape"], "dtype": info["dtype"], "pieces": []})
-                    entry["pieces"].append(piece)
-            self._shares = {rank: Plan(tensors, plan.world_size) for rank, tensors in shares.items()}
-        return self._shares.get(q, Plan({}, plan.world_size))
 
 
 def simulate_save(cell: Cell, rank: int, state: TrainingState, root: Path, keep: dict[str, Any]) -> dict[str, Any]:

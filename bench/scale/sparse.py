@@ -110,6 +110,9 @@ def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None,
     return out
 
 
+SMALL_ELEMENTS = 4096
+
+
 def read_range(path: Path, offset: int, view: memoryview) -> None:
     """``balanced_load.read_range`` counting the bytes: a header (from byte 0) is read for real
     (its owner checks it), a range of tensor data only counted (this rank's 1/N of the stream)."""
@@ -137,8 +140,11 @@ class SafeOpen:
         return torch.empty(info["shape"], dtype=dtype_of(info["dtype"]), device="meta")
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        """The whole tensor (counted), as a meta tensor."""
+        """The whole tensor (counted), as a meta tensor; a small one (an optimizer's step
+        counter, loaded into a plain CPU tensor) as zeros on the CPU."""
         t = self._meta(name)
+        if t.numel() <= SMALL_ELEMENTS:
+            t = torch.zeros_like(t, device="cpu")
         PROBE.add_read("own", t.numel() * t.element_size())
         return t
 

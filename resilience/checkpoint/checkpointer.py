@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from resilience.checkpoint.async_writer import AsyncWriter
+from resilience.checkpoint.formats.plan_cache import LayoutCache
 from resilience.checkpoint.layout import checkpoint_name
 from resilience.checkpoint.loading import Restored
 from resilience.checkpoint.parts import Part, checkpoint_parts, epoch_of
@@ -115,6 +116,10 @@ class Checkpointer(Resuming):
         self._deleter = retention.Deleter()
         self._own_files: dict[str, list[str]] = {}
         """This rank's files (relative paths) of each checkpoint this process saved: retention deletes them."""
+        self._layout_cache = LayoutCache(enabled=config.save_global_layout_cache)
+        """The model's save plan and index, reused while its layout is unchanged (plan_cache.py)."""
+        self._optim_cache = LayoutCache(enabled=config.save_global_layout_cache)
+        """The same for a sharded optimizer state's pieces (optim_shards.py)."""
         self._check_root()
         check_savable(config, state.model, ctx)  # a model the format cannot save: refused before training
         if config.is_async and config.enabled and config.enable_save:
@@ -357,6 +362,8 @@ class Checkpointer(Resuming):
             global_batch_size=self.global_batch_size,
             training_rows=self.training_rows,
             validation=self.validation,
+            layout_cache=self._layout_cache,
+            optim_cache=self._optim_cache,
         )
 
 

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from resilience.checkpoint.formats import hf_export, model_io, optim_io, pieces
 from resilience.checkpoint.formats.bundle_shards import write_bundle_share
 from resilience.checkpoint.formats.extra_state import save_extra_state
+from resilience.checkpoint.formats.plan_cache import LayoutCache
 from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, RANK_STATE_DIR, STEP_SCHEDULER, TRASH_PREFIX, rank_state_file
 from resilience.checkpoint.policy.lowest_val import json_safe
 from resilience.checkpoint.staging import StagingBuffers
@@ -80,6 +81,8 @@ def checkpoint_parts(
     global_batch_size: int | None,
     training_rows: list[dict[str, Any]],
     validation: dict[int, dict[str, Any]],
+    layout_cache: LayoutCache | None = None,
+    optim_cache: LayoutCache | None = None,
 ) -> list[Part]:
     """The pieces of this checkpoint on this rank, every value captured now (the parts only write).
 
@@ -87,7 +90,8 @@ def checkpoint_parts(
     save). With ``buffers`` (a snapshot) the model and optimizer tensors are copied into them, so
     the parts can run in the background while training changes the live tensors. Rank 0 adds
     the run's records: ``config.yaml``, counters, ``common.json`` and ``losses.json`` (from
-    ``training_rows`` and ``validation``).
+    ``training_rows`` and ``validation``). ``layout_cache`` and ``optim_cache`` (the
+    checkpointer's) reuse the model's and a sharded optimizer's plans while the layout is unchanged.
     """
     rank = ctx.rank
     parts = []
@@ -96,12 +100,15 @@ def checkpoint_parts(
         # Both state dicts in one call: torch's helpers map every parameter to its name once, not
         # twice (for an asynchronous save this runs while training waits).
         model_state, optim_state = get_state_dict(state.model, state.optimizer)
-        tensors, skeleton = optim_io.capture_optimizer(state.model, state.optimizer, world_size=ctx.world_size, gather=ctx.all_gather_object, state=optim_state)
+        tensors, skeleton = optim_io.capture_optimizer(
+            state.model, state.optimizer, world_size=ctx.world_size, gather=ctx.all_gather_object, state=optim_state, rank=rank, cache=optim_cache
+        )
         by = "all ranks" if optim_io.uses_dcp((tensors, skeleton)) else "each rank"  # DCP's save is a collective
         if buffers is not None:
             tensors = buffers.copy_in(tensors, prefix="optim.")
         parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), {"rank": rank, "world_size": ctx.world_size, "group": group}, by=by))
-    parts += _model_parts(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers, tensors=model_state)  # every rank writes its shard
+    # every rank writes its shard
+    parts += _model_parts(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers, tensors=model_state, layout_cache=layout_cache)
     if rank == 0:
         if state.lr_scheduler is not None:
             parts.append(_json_part("lr_scheduler", LR_SCHEDULER, optim_io.lr_scheduler_json(state.lr_scheduler)))
@@ -136,6 +143,7 @@ def _model_parts(
     root: Path,
     buffers: StagingBuffers | None,
     tensors: dict[str, Any] | None = None,
+    layout_cache: LayoutCache | None = None,
 ) -> list[Part]:
     """The model's part; with a Hugging Face bundle of a sharded (DTensor) model, also the part that
     streams it from every rank's shards once they are all written (no rank holds the full model).
@@ -161,7 +169,8 @@ def _model_parts(
     # collective), so the part itself (possibly in the background) only writes; a replicated
     # model's plan needs no peer, and is made by the part, off the time training waits.
     sharded = fmt == "safetensors" and pieces.is_sharded(tensors)
-    plan = pieces.make_plan(tensors, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object) if sharded else None
+    cache = layout_cache if layout_cache is not None else LayoutCache(enabled=False)
+    plan = cache.plan(tensors, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object, aliases=aliases) if sharded else None
     if buffers is not None:
         tensors = buffers.copy_in(tensors, prefix="model.")
     model = Part(
@@ -178,6 +187,7 @@ def _model_parts(
             "state_dict": tensors,
             "aliases": aliases,
             "plan": plan,
+            "layout_cache": layout_cache,
         },
         by="all ranks" if fmt == "torch_save" else "each rank",
     )

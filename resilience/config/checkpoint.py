@@ -14,7 +14,7 @@ log = logging.getLogger("resilience")
 
 def _check_retention_and_mindspore_keys(cfg: CheckpointConfig) -> None:
     """Validate the retention, LOWEST_VAL and MindSpore Transformers keys of ``checkpoint``."""
-    for key in ("is_async", "enable_save", "no_save_optim", "no_load_optim", "load_balanced", "remove_redundancy"):
+    for key in ("is_async", "enable_save", "no_save_optim", "no_load_optim", "load_balanced", "remove_redundancy", "save_global_layout_cache"):
         check_bool(f"checkpoint.{key}", getattr(cfg, key))
     if not cfg.remove_redundancy:  # honest, not silent: there is no redundant layout to opt into
         log.warning("checkpoint.remove_redundancy: false has no effect: replicated tensors are stored once anyway (by one of their holders)")
@@ -115,6 +115,10 @@ class CheckpointConfig:
     """MindSpore Transformers: store replicated tensors once (default true). Accepted; it is how
     every save works: a block several ranks hold is written by one of its holders. ``false`` (write
     every copy) is accepted too but changes nothing beyond a warning saying so."""
+    save_global_layout_cache: bool = True
+    """MindSpore Transformers: reuse the model's save plan and ``shard_index.json`` while the layout
+    (keys, shapes, dtypes, placements, mesh, world size) is unchanged, so the second and later
+    saves do no planning and no planning collective; ``false`` plans every save."""
     prefix: str | None = "checkpoint"
     """MindSpore Transformers' file-name prefix: accepted, changes no name (the layout is NeMo's)."""
     model_save_format: str = "safetensors"

@@ -6,7 +6,7 @@ import pytest
 
 from resilience.checkpoint.layout import LATEST
 from resilience.checkpoint.storage.manifest import validate
-from sharded_runs import assert_loaded, bytes_per_rank, record, run, shard_index, stored_copies
+from sharded_runs import assert_loaded, bytes_per_rank, index_pieces, record, run, shard_index, stored_copies
 
 ELASTIC = "checkpoint.world_size_change=elastic"
 EVEN = "8,12,4"  # sizes every tensor of which splits evenly over 4 ranks
@@ -41,7 +41,7 @@ def test_replicated_loads_into_fsdp2_fsdp2_into_tensor_parallel_and_that_into_a_
     ckpt = tmp_path / "ck"
     ddp, fsdp, tp, plain = tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "tp", tmp_path / "plain"
     assert run(ckpt, ddp, "plain", 2, _steps(3)) == [0, 0]  # replicated (DDP): whole tensors, each stored once
-    assert all(len(info["pieces"]) == 1 for info in shard_index(ckpt)["tensors"].values())
+    assert all(len(index_pieces(ckpt, key)) == 1 for key in shard_index(ckpt)["tensors"])
 
     assert run(ckpt, fsdp, "fsdp", 2, _steps(5)) == [0, 0]  # replicated -> sharded
     assert_loaded(fsdp, ddp)

@@ -11,10 +11,10 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from resilience import ExitCode
 from resilience.checkpoint.balance import balance
 from resilience.checkpoint.formats.pieces import Block, _assign, overlap_slices
-from resilience.checkpoint.layout import LATEST, MODEL_DIR, TRAINING_LOG
+from resilience.checkpoint.layout import LATEST, MODEL_DIR, OPTIM_DIR, TRAINING_LOG
 from resilience.checkpoint.storage.manifest import validate
 from resilience.checkpoint.storage.safetensors_file import read_safetensors_header
-from sharded_runs import assert_equal_tensors, bytes_per_rank, optimizer_state, record, run, shard_index, stored_copies, weights
+from sharded_runs import assert_equal_tensors, bytes_per_rank, index_pieces, optimizer_state, record, run, shard_index, stored_copies, weights
 
 FIRST, ALL = "step_scheduler.max_steps=3", "step_scheduler.max_steps=6"
 
@@ -98,11 +98,18 @@ def test_overlap_slices_give_the_common_region_in_both_blocks():
 def test_fsdp2_on_two_ranks_writes_half_the_model_per_rank_torch_reads_it_and_the_resume_is_bitwise(tmp_path, fsdp2_uninterrupted):
     ckpt, first, second = _interrupted_and_resumed(tmp_path, "fsdp", 2)
     _about_one_nth(ckpt, 2)
+    optim = ckpt / LATEST / OPTIM_DIR  # the sharded optimizer state: per-rank pieces by rule, not DCP
+    skeleton = json.loads((optim / "skeleton.json").read_text())
+    assert skeleton["storage"] == "sharded_safetensors" and not (optim / ".metadata").exists()
+    assert skeleton["index"]["tensors"]["state.up.weight.exp_avg"]["rule"] == {"mesh": [2], "dims": [0], "replica": 0}
+    sizes = [(optim / f"shard-0000{k}-model-00001-of-00001.safetensors").stat().st_size for k in (1, 2)]
+    assert abs(sizes[0] - sizes[1]) <= 0.2 * sum(sizes), f"{sizes}: not about half each"
     model_dir = ckpt / LATEST / MODEL_DIR
     index = shard_index(ckpt)
-    assert index["version"] == 2 and index["tensors"]["up.weight"]["shape"] == [10, 6]
-    assert [p["offsets"] for p in index["tensors"]["up.weight"]["pieces"]] == [[0, 0], [5, 0]]
-    assert index["tensors"]["head.weight"]["pieces"][1] == {"file": "shard-00002-model-00001-of-00001.safetensors", "offsets": [2, 0], "shape": [1, 6]}
+    assert index["version"] == 3 and index["tensors"]["up.weight"]["shape"] == [10, 6]
+    assert index["tensors"]["up.weight"]["rule"] == {"mesh": [2], "dims": [0], "replica": 0}, "FSDP2: the rule, not the pieces"
+    assert [p["offsets"] for p in index_pieces(ckpt, "up.weight")] == [[0, 0], [5, 0]]
+    assert index_pieces(ckpt, "head.weight")[1] == {"file": "shard-00002-model-00001-of-00001.safetensors", "offsets": [2, 0], "shape": [1, 6]}
     for k in (1, 2):
         meta = read_safetensors_header(model_dir / f"shard-0000{k}-model-00001-of-00001.safetensors")["__metadata__"]
         info = json.loads(meta["DCP_SHARDING_INFO"])
@@ -137,8 +144,8 @@ def test_tensor_parallel_on_two_ranks_stores_replicated_tensors_once(tmp_path):
     _about_one_nth(ckpt, 2)
     for key in ("norm.weight", "head.weight", "down.bias"):  # plain tensors, and a Replicate DTensor (RowwiseParallel's bias)
         assert stored_copies(ckpt, key) == 1, f"{key} must be stored once"
-        assert len(shard_index(ckpt)["tensors"][key]["pieces"]) == 1
-    assert [p["offsets"] for p in shard_index(ckpt)["tensors"]["down.weight"]["pieces"]] == [[0, 0], [0, 5]]  # row-wise: columns
+        assert len(index_pieces(ckpt, key)) == 1
+    assert [p["offsets"] for p in index_pieces(ckpt, "down.weight")] == [[0, 0], [0, 5]]  # row-wise: columns
 
 
 @pytest.mark.multiproc
@@ -148,7 +155,7 @@ def test_a_2x2_data_parallel_by_tensor_parallel_mesh_writes_a_quarter_per_rank(t
     _about_one_nth(ckpt, 4, tolerance=0.35)  # uneven on purpose: 10 rows -> tp 5 -> dp 3, 2
     for key in ("norm.weight", "down.bias"):  # FSDP-sharded over dp, copies along tp: each block stored once
         assert stored_copies(ckpt, key) == 1
-    pieces = shard_index(ckpt)["tensors"]["up.weight"]["pieces"]
+    pieces = index_pieces(ckpt, "up.weight")
     assert [(p["offsets"][0], p["shape"][0]) for p in pieces] == [(0, 3), (3, 2), (5, 3), (8, 2)]  # strided FSDP x TP rows
 
 

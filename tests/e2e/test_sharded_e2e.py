@@ -52,7 +52,8 @@ def test_sharded_run_stopped_through_one_rank_saves_one_step_on_every_rank_and_r
     assert SIGNAL_AT <= stop_step < STEPS and manifest["meta"]["reason"] == "preemption"
     # one checkpoint of that one step holds every rank's part: optimizer shard, RNG, data position
     for r in range(nproc):
-        assert {f"optim/__{r}_0.distcp", f"rank_state/rank_{r:05d}.safetensors"} <= set(manifest["files"]), r
+        assert f"rank_state/rank_{r:05d}.safetensors" in set(manifest["files"]), r
+        assert any(name.startswith(f"optim/shard-{r + 1:05d}-model-") for name in manifest["files"]), (r, "its optimizer pieces")
         if fmt == "safetensors":  # and its own model shards (NeMo's names), written by that rank
             assert any(name.startswith(f"model/shard-{r + 1:05d}-model-") for name in manifest["files"]), (r, sorted(manifest["files"]))
 

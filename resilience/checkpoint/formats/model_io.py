@@ -56,6 +56,7 @@ except ImportError:  # torch < 2.5
 
 from resilience.checkpoint.formats import balanced_load, hf_export, pieces, shard_files, sharded_model
 from resilience.checkpoint.formats import consolidate as consolidation
+from resilience.checkpoint.formats.plan_cache import LayoutCache
 from resilience.checkpoint.layout import (
     ADAPTER_CONFIG,
     CONSOLIDATE_SH,
@@ -99,6 +100,7 @@ def save_model(
     state_dict: dict[str, torch.Tensor] | None = None,
     aliases: dict[str, str] | None = None,
     plan: pieces.Plan | None = None,
+    layout_cache: LayoutCache | None = None,
 ) -> list[str | FileRecord]:
     """Write this rank's part of the model into ``staging/model/``; returns what it wrote: records
     of the files digested and fsync'd while written (weight shards, DCP files) and the relative
@@ -111,7 +113,8 @@ def save_model(
     comes with the aliases of the live model and without their keys. safetensors only.
     ``plan`` (:func:`pieces.make_plan` of ``state_dict``, made where the snapshot was taken) says
     which rank writes which piece; by default it is made here (a collective over ``group`` for a
-    sharded model).
+    sharded model). ``layout_cache`` (:class:`LayoutCache`) reuses the plan and the index
+    document of an earlier save of the same layout.
 
     Call it on every rank: with ``save_format="torch_save"``, or a sharded model without ``plan``,
     it is a collective over ``group``.
@@ -154,15 +157,21 @@ def save_model(
         tokenizer=tokenizer,
         max_file_bytes=max_file_bytes,
         aliases=aliases,
+        layout_cache=layout_cache,
     )
 
 
-def save_problem(model: torch.nn.Module, *, rank: int, world_size: int, gather: Callable[[Any], list[Any]]) -> str | None:
+def save_problem(
+    model: torch.nn.Module, *, rank: int, world_size: int, gather: Callable[[Any], list[Any]], agree: Callable[[str], bool] | None = None
+) -> str | None:
     """Why ``model`` cannot be saved with ``model_save_format: safetensors``, or ``None``; checked
     before training (``resilient_loop()``), so a first save never finds it. For a sharded model
-    (``DTensor`` parameters) a collective through ``gather`` (``DistContext.all_gather_object``),
-    answering the same on every rank: a placement other than ``Shard``/``Replicate``
-    (``Partial``), or shards whose offsets do not tile their tensor."""
+    (``DTensor`` parameters) a collective through ``gather`` (``DistContext.all_gather_object``)
+    and ``agree`` (``DistContext.same_everywhere``: whether every rank passed the same digest;
+    default: compared through ``gather``), answering the same on every rank: a placement other
+    than ``Shard``/``Replicate`` (``Partial``), ranks whose layouts differ (the sharding rules
+    every save then plans alone would not be the same), or shards whose offsets do not tile
+    their tensor."""
     if hf_export.is_peft_model(model):
         return None
     # A model with no DTensor has nothing to check; no state-dict pass (which, for a model without
@@ -175,6 +184,10 @@ def save_problem(model: torch.nn.Module, *, rank: int, world_size: int, gather: 
     problems = [p for p in gather(pieces.unsupported(state)) if p] if world_size > 1 else [pieces.unsupported(state)]
     if any(problems):
         return next(p for p in problems if p)
+    fingerprint = pieces.layout_fingerprint(state, world_size)
+    alike = agree(fingerprint) if agree is not None else len(set(gather(fingerprint))) == 1
+    if world_size > 1 and not alike:
+        return "the ranks' models differ in keys, shapes, dtypes, placements or meshes (every rank must build the same model)"
     try:
         pieces.make_plan(state, rank=rank, world_size=world_size, gather=gather)
     except ValueError as exc:
@@ -235,8 +248,7 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, ch
         dcp_io.load_tensors(state, model_dir, group=group)
         set_model_state_dict(model, state)
     else:
-        layout = sharded_model.read_layout(model_dir)
-        aliases = sharded_model.read_aliases(model_dir)
+        layout, aliases = sharded_model.read_index(model_dir)  # one parse; a rule's pieces are found by the loader
         live = get_model_state_dict(model)  # the model's own tensors: read into them in place
         if pieces.is_sharded(live) or any(info["shard"] is None for info in layout.values()):
             shard_files.load_by_slices(model_dir, layout, live, aliases)  # each rank reads what overlaps its blocks
@@ -259,15 +271,7 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, ch
             set_model_state_dict(model, tensors)  # some did not fit in place (or keys differ: its error)
 
 
-def _load_balanced(
-    ctx: DistContext,
-    directory: Path,
-    layout: dict[str, dict[str, Any]],
-    aliases: dict[str, str],
-    live: dict[str, torch.Tensor],
-    model: torch.nn.Module,
-    check: ContentCheck | None,
-) -> None:
+def _load_balanced(ctx: DistContext, directory: Path, layout: dict, aliases: dict, live: dict, model: torch.nn.Module, check: ContentCheck | None) -> None:
     """The replicated branch of :func:`load_model` through :func:`balanced_load.load`; a model
     whose keys or shapes differ from the index is the same ValueError on every rank, before any
     byte moves."""
@@ -331,16 +335,20 @@ def _save_sharded(
     tokenizer: Any,
     max_file_bytes: int,
     aliases: dict[str, str],
+    layout_cache: LayoutCache | None = None,
 ) -> list[str | FileRecord]:
     problem = pieces.unsupported(state)
     if problem:
         raise NotImplementedError(f"model_save_format: safetensors: {problem}")
+    cache = layout_cache if layout_cache is not None else LayoutCache(enabled=False)
     if plan is None:
-        plan = pieces.make_plan(state, rank=rank, world_size=world_size, gather=DistContext(rank, world_size, group).all_gather_object)
+        plan = cache.plan(state, rank=rank, world_size=world_size, gather=DistContext(rank, world_size, group).all_gather_object, aliases=aliases)
     originals = hf_export.original_tensors(model)
-    nbytes = [(key, math.prod(info["shape"]) * getattr(torch, info["dtype"]).itemsize) for key, info in plan.tensors.items()]
-    file_of, num_files = _file_plan(nbytes, originals, max_file_bytes)
-    index = shard_files.index_doc(plan, file_of, num_files, originals, aliases, bundle_omits(model, aliases))
+    index = cache.index(plan)  # built once per layout
+    if index is None:
+        nbytes = [(key, math.prod(info["shape"]) * getattr(torch, info["dtype"]).itemsize) for key, info in plan.tensors.items()]
+        file_of, num_files = _file_plan(nbytes, originals, max_file_bytes)
+        index = cache.keep_index(plan, shard_files.index_doc(plan, file_of, num_files, originals, aliases, bundle_omits(model, aliases)))
     written: list[str | FileRecord] = list(shard_files.write_rank_files(staging / MODEL_DIR, state, plan, index, rank))
     if rank != 0:
         return written

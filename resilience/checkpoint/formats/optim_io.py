@@ -1,6 +1,9 @@
 """Optimizer state under ``optim/``: the tensors in our own safetensors files when every rank
-holds them in full (:mod:`~resilience.checkpoint.formats.optim_files`), else via
-``torch.distributed.checkpoint`` (DCP: sharded ``DTensor`` state, which it reshards).
+holds them in full (:mod:`~resilience.checkpoint.formats.optim_files`), as per-rank pieces like
+the model's shards when they are ``DTensor`` tensors (:mod:`~resilience.checkpoint.formats.optim_shards`:
+FSDP2, TP, 2-D meshes; loaded by overlap, so they reshard), else via
+``torch.distributed.checkpoint`` (DCP: plain state the ranks hold differently; and the sharded
+state of checkpoints written before, which still load).
 
 Everything but the tensors (param groups, Python scalars, tensor shapes and dtypes needed to
 pre-allocate the load targets, the file of each tensor) goes to ``optim/skeleton.json``. Only
@@ -26,7 +29,8 @@ try:
 except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor
 
-from resilience.checkpoint.formats import optim_files
+from resilience.checkpoint.formats import optim_files, optim_shards
+from resilience.checkpoint.formats.plan_cache import LayoutCache
 from resilience.checkpoint.layout import DCP_METADATA, LR_SCHEDULER, OPTIM_DIR, SKELETON
 from resilience.checkpoint.storage import dcp_io
 from resilience.checkpoint.storage.content_check import ContentCheck
@@ -90,23 +94,29 @@ def capture_optimizer(
     world_size: int = 1,
     gather: Callable[[Any], list[Any]] | None = None,
     state: dict[str, Any] | None = None,
+    rank: int = 0,
+    cache: LayoutCache | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The optimizer state as (tensors, JSON skeleton); the tensors are the live ones (copy them
     before training continues if the save is asynchronous). ``state``:
     ``get_optimizer_state_dict(model, optimizer)`` when the caller has it already. Decides where
     they go: our own files when every rank holds them alike (:func:`optim_files.replicated`: a
     collective through ``gather``, ``DistContext.all_gather_object``, when ``world_size > 1``),
-    else DCP; :func:`uses_dcp` tells which (the files are assigned when written)."""
+    per-rank pieces when they are ``DTensor`` tensors (:func:`optim_shards.capture`: planned now, on
+    this thread, rank ``rank``; reused from ``cache`` while the layout is unchanged), else DCP;
+    :func:`uses_dcp` tells which (the replicated files are assigned when written)."""
     tensors, skeleton = _split(get_optimizer_state_dict(model, optimizer) if state is None else state)
     if optim_files.replicated(tensors, world_size, gather):
         skeleton["storage"] = optim_files.STORAGE
+    elif any(isinstance(t, DTensor) for t in tensors.values()):
+        optim_shards.capture(tensors, skeleton, rank=rank, world_size=world_size, gather=gather or (lambda obj: [obj]), cache=cache)
     return tensors, skeleton
 
 
 def uses_dcp(captured: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> bool:
     """Whether a :func:`capture_optimizer` state is saved through DCP (a collective over every
     rank) rather than as each rank's own file."""
-    return captured[1].get("storage") != optim_files.STORAGE
+    return captured[1].get("storage") not in (optim_files.STORAGE, optim_shards.STORAGE)
 
 
 def save_optimizer(
@@ -121,11 +131,13 @@ def save_optimizer(
     tensors, skeleton = captured
     if uses_dcp(captured):
         written: list[str | FileRecord] = [rec.under(OPTIM_DIR) for rec in dcp_io.save_tensors(tensors, staging / OPTIM_DIR, rank=rank, group=group)]
+    elif skeleton.get("storage") == optim_shards.STORAGE:
+        written = list(optim_shards.save(staging, tensors, skeleton, rank))
     else:
         optim_files.assign(tensors, skeleton, world_size)  # the same on every rank: no collective
         written = list(optim_files.save(staging, tensors, skeleton, rank, world_size))
     if rank == 0:
-        (staging / SKELETON).write_text(json.dumps(skeleton))
+        (staging / SKELETON).write_text(json.dumps(optim_shards.json_view(skeleton)))
         written.append(SKELETON)
     return written
 
@@ -186,7 +198,9 @@ def load_optimizer(
                 tensors[spec["tensor"]] = mine if fits else _target(params.get(fqn), shape, dtype)
             elif "value" in spec:  # written before values were tagged
                 state[fqn][name] = spec["value"]
-    if (directory / OPTIM_DIR / DCP_METADATA).is_file():
+    if skeleton.get("storage") == optim_shards.STORAGE:
+        optim_shards.load(directory, skeleton, tensors)  # each rank reads the pieces overlapping its blocks
+    elif (directory / OPTIM_DIR / DCP_METADATA).is_file():
         dcp_io.load_tensors(tensors, directory / OPTIM_DIR, group=group)
     else:
         optim_files.load(directory, skeleton, tensors, check, balanced)

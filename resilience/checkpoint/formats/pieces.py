@@ -6,33 +6,33 @@ plain (replicated) one, the local shard of a ``DTensor`` (FSDP2 ``fully_shard``,
 ``compute_local_shape_and_global_offset`` gives, as DCP does (uneven shards included). Ranks that
 hold the same block (a replicated tensor; the copies along a ``Replicate`` mesh dimension; a
 tensor-parallel submesh repeated over the data-parallel ranks, which the ``DTensor`` itself does
-not see) hold copies: one of them writes it. Every rank's blocks are all-gathered once per save
-(names, offsets and shapes only) and every rank computes the same plan from them: a block held by
-one rank is written by it; a copied block goes, largest first, to the least loaded of its holders
-(bytes), so each rank writes about 1/N of the model and nothing is written twice. For a replicated
-model this is :func:`resilience.checkpoint.balance.balance` over whole tensors, and no collective
-is needed (every rank holds everything).
+not see) hold copies: one of them writes it. A tensor with a sharding rule
+(:mod:`~resilience.checkpoint.formats.shard_rule`: a ``DTensor`` on a mesh over the whole job,
+or a plain tensor of a sharded model) is planned locally from its rule, no collective. The other
+ranks' blocks of the rest (a submesh repeated over data-parallel ranks, ``_StridedShard``) are
+all-gathered (names, offsets and shapes only) and every rank computes the same plan from them: a
+block held by one rank is written by it; a copied block goes, largest first, to the least loaded
+of its holders (bytes), so each rank writes about 1/N of the model and nothing is written twice.
+For a replicated model this is :func:`resilience.checkpoint.balance.balance` over whole tensors,
+and no collective is needed (every rank holds everything).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from resilience.checkpoint.formats.shard_rule import STRIDED_SHARD, DTensor, Rule, balance_replicas, rule_of
+
 try:
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor
     from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
-try:
-    from torch.distributed.tensor.placement_types import _StridedShard as _STRIDED
-except ImportError:  # torch without it
-    _STRIDED = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ def unsupported(state: dict[str, Any]) -> str | None:
     blocks are contiguous in the layouts torch builds; :func:`make_plan` checks they tile."""
     for key, t in state.items():
         if isinstance(t, DTensor):
-            odd = [p for p in t.placements if not (p.is_shard() or p.is_replicate() or isinstance(p, _STRIDED))]
+            odd = [p for p in t.placements if not (p.is_shard() or p.is_replicate() or isinstance(p, STRIDED_SHARD))]
             if odd:
                 return f"{key} is a DTensor with placement {odd[0]!r} (only Shard and Replicate placements hold storable values)"
     return None
@@ -91,7 +91,8 @@ def unsupported(state: dict[str, Any]) -> str | None:
 class Plan:
     """Every rank's writing plan of one save, alike on every rank.
 
-    ``tensors``: per key (state-dict order), its global shape, dtype and pieces, each a dict
+    ``tensors``: per key (state-dict order), its global shape, dtype and either its ``rule`` (a
+    :class:`~resilience.checkpoint.formats.shard_rule.Rule`) or its ``pieces``, each a dict
     ``{"offsets", "shape", "rank"}`` (the writing rank), in offset order. ``world_size``: ranks.
     """
 
@@ -99,25 +100,69 @@ class Plan:
     world_size: int
 
     def mine(self, rank: int) -> list[tuple[str, dict[str, Any]]]:
-        """``(key, piece)`` of every piece ``rank`` writes, in state-dict order."""
-        return [(key, piece) for key, info in self.tensors.items() for piece in info["pieces"] if piece["rank"] == rank]
+        """``(key, piece)`` of every piece ``rank`` writes, in state-dict order (a rule's by
+        arithmetic on ``rank`` alone)."""
+        out = []
+        for key, info in self.tensors.items():
+            rule = info.get("rule")
+            if rule is None:
+                out += [(key, piece) for piece in info["pieces"] if piece["rank"] == rank]
+            elif rule.writes(rank):
+                offsets, shape = rule.block(tuple(info["shape"]), rank)
+                if math.prod(shape):
+                    out.append((key, {"offsets": list(offsets), "shape": list(shape), "rank": rank}))
+        return out
+
+    def pieces(self, key: str) -> list[dict[str, Any]]:
+        """Every piece of ``key`` (``{"offsets", "shape", "rank"}``, offset order), a rule's expanded."""
+        info = self.tensors[key]
+        if "rule" not in info:
+            return info["pieces"]
+        return [{"offsets": list(o), "shape": list(s), "rank": r} for r, o, s in info["rule"].pieces(tuple(info["shape"]))]
 
 
 def make_plan(state: dict[str, torch.Tensor], *, rank: int, world_size: int, gather: Callable[[Any], list[Any]]) -> Plan:
     """The plan of who writes what (see the module docstring). A collective through ``gather``
-    (``DistContext.all_gather_object``: every rank's object, indexed by rank) when ``state``
-    holds a ``DTensor``; local otherwise (a replicated model: every rank holds every tensor).
+    (``DistContext.all_gather_object``: every rank's object, indexed by rank) only when ``state``
+    holds a ``DTensor`` without a sharding rule (:func:`~resilience.checkpoint.formats.shard_rule.rule_of`);
+    local otherwise (a replicated model: every rank holds every tensor).
 
     Raises:
-        ValueError: ranks disagree on a tensor's global shape or dtype, or a tensor's pieces do
-            not tile it exactly (a layout the offsets cannot describe); the same on every rank.
+        ValueError: ranks disagree on a tensor's global shape or dtype, a tensor's pieces do
+            not tile it exactly (a layout the offsets cannot describe), or this rank's block is
+            not the one its rule gives; the same on every rank.
     """
-    mine = {key: block_of(t) for key, t in state.items()}
-    if is_sharded(state) and world_size > 1:
-        held = gather(mine)
-    else:
-        held = [mine] * world_size
-    return _assign(held, world_size)
+    if not is_sharded(state):
+        return _assign([{key: block_of(t) for key, t in state.items()}] * world_size, world_size)
+    rules = rules_of(state, world_size)
+    rest = {key: block_of(t) for key, t in state.items() if rules[key] is None}
+    for key, rule in rules.items():
+        if rule is not None and isinstance(state[key], DTensor):
+            block = block_of(state[key])
+            if rule.block(block.global_shape, rank) != (block.offsets, block.shape):
+                raise ValueError(f"{key}: rank {rank} holds the block at {list(block.offsets)} of shape {list(block.shape)}, not its rule's {rule}")
+    planned = _assign(gather(rest) if world_size > 1 else [rest], world_size).tensors if rest else {}
+    tensors = {}
+    for key, t in state.items():
+        rule = rules[key]
+        tensors[key] = planned[key] if rule is None else {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "rule": rule}
+    return Plan(tensors, world_size)
+
+
+def layout_fingerprint(state: dict[str, torch.Tensor], world_size: int) -> str:
+    """A digest (hex) of what a plan depends on: keys, global shapes, dtypes, placements, mesh
+    shapes and world size (and whether each tensor has a sharding rule); O(tensors)."""
+    h = hashlib.sha256(str(world_size).encode())
+    for key, t in state.items():
+        where = (tuple(t.device_mesh.shape), tuple(repr(p) for p in t.placements)) if isinstance(t, DTensor) else None
+        h.update(repr((key, tuple(t.shape), str(t.dtype), where)).encode())
+    return h.hexdigest()
+
+
+def rules_of(state: dict[str, torch.Tensor], world_size: int) -> dict[str, Rule | None]:
+    """Per key of a sharded ``state``, its sharding rule or ``None`` (planned from the gather)."""
+    rules = {key: rule_of(t, world_size) for key, t in state.items()}
+    return balance_replicas(rules, {key: t.numel() * t.element_size() for key, t in state.items()})
 
 
 def _assign(held: list[dict[str, Block]], world_size: int) -> Plan:

@@ -14,9 +14,12 @@ where, as torch's DCP writes it (``torch/distributed/checkpoint/filesystem.py``)
 
 (``global_shape`` is ours; torch's readers ignore it.) ``shard_index.json`` (rank 0) describes the
 whole checkpoint: per key its global ``shape``, ``dtype``, output ``file_index``,
-``original_dtype`` and ``pieces`` (``file``, ``offsets``, ``shape``); ``weight_map`` names the file
-of each key stored whole (one piece); ``aliases`` and ``bundle_omits`` as before (version 1 had no
-``pieces``: every key whole, in its ``weight_map`` file).
+``original_dtype`` and either its sharding ``rule`` (version 3: ``{"mesh", "dims", "replica"}``, see
+:mod:`~resilience.checkpoint.formats.shard_rule`; the pieces follow from it, so the index is
+O(tensors) at any world size) or, for a tensor without one, its ``pieces`` (``file``, ``offsets``,
+``shape``); ``weight_map`` names the file of each key stored whole (one piece); ``aliases`` and
+``bundle_omits`` as before (version 1 had no ``pieces``: every key whole, in its ``weight_map``
+file; version 2 listed every tensor's pieces).
 
 A loading rank reads, for each tensor it holds (its local shard, or the whole tensor of a plain
 model), only the stored pieces that overlap it, and only the overlapping slices of them
@@ -36,12 +39,13 @@ import torch
 from safetensors import safe_open
 
 from resilience.checkpoint.formats.pieces import Plan, block_of, local_tensor, overlap_slices
+from resilience.checkpoint.formats.shard_rule import Rule
 from resilience.checkpoint.layout import SHARD_INDEX, model_shard_name
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.checkpoint.storage.safetensors_file import write_safetensors
 
 INDEX_FORMAT = "resilience.sharded_safetensors"
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 # The keys torch's DCP writes into a safetensors shard's __metadata__ (torch/distributed/checkpoint/_hf_utils.py).
 SHARDING_INFO = "DCP_SHARDING_INFO"
 SAVED_OFFSETS = "saved_offsets"
@@ -63,19 +67,21 @@ def index_doc(
     leaves out."""
     tensors, weight_map, total = {}, {}, 0
     for key, info in plan.tensors.items():
-        pieces = [
-            {"file": piece_file(plan, piece["rank"], file_of[key], num_files), "offsets": piece["offsets"], "shape": piece["shape"]} for piece in info["pieces"]
-        ]
-        if len(pieces) == 1 and pieces[0]["shape"] == info["shape"]:
-            weight_map[key] = pieces[0]["file"]
+        entry = {"dtype": info["dtype"], "shape": info["shape"], "file_index": file_of[key], "original_dtype": originals.get(key, {}).get("dtype")}
+        rule = info.get("rule")
+        if rule is not None:
+            entry["rule"] = rule.to_json()
+            if all(d is None for d in rule.dims):  # replicated: one whole piece
+                weight_map[key] = piece_file(plan, rule.pieces(tuple(info["shape"]))[0][0], file_of[key], num_files)
+        else:
+            entry["pieces"] = [
+                {"file": piece_file(plan, piece["rank"], file_of[key], num_files), "offsets": piece["offsets"], "shape": piece["shape"]}
+                for piece in info["pieces"]
+            ]
+            if len(entry["pieces"]) == 1 and entry["pieces"][0]["shape"] == info["shape"]:
+                weight_map[key] = entry["pieces"][0]["file"]
         total += math.prod(info["shape"]) * getattr(torch, info["dtype"]).itemsize
-        tensors[key] = {
-            "dtype": info["dtype"],
-            "shape": info["shape"],
-            "file_index": file_of[key],
-            "original_dtype": originals.get(key, {}).get("dtype"),
-            "pieces": pieces,
-        }
+        tensors[key] = entry
     return {
         "format": INDEX_FORMAT,
         "version": INDEX_VERSION,
@@ -102,6 +108,13 @@ def write_rank_files(model_dir: Path, state: dict[str, torch.Tensor], plan: Plan
     Raises:
         OSError: from the writes; TypeError: a dtype safetensors cannot store.
     """
+    return write_pieces(model_dir, state, plan, index, rank)
+
+
+def write_pieces(directory: Path, state: dict[str, torch.Tensor], plan: Plan, index: dict[str, Any], rank: int) -> list[FileRecord]:
+    """:func:`write_rank_files` into any ``directory`` (the model's, or ``optim/`` for a sharded
+    optimizer state, :mod:`~resilience.checkpoint.formats.optim_shards`)."""
+    model_dir = directory
     files: dict[str, dict[str, torch.Tensor]] = {}
     info: dict[str, dict[str, Any]] = {}
     for key, piece in plan.mine(rank):
@@ -123,19 +136,36 @@ def _cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def pieces_of(index: dict[str, Any], key: str) -> list[dict[str, Any]]:
-    """The stored pieces of ``key`` (``{"file", "offsets", "shape"}``); a version 1 index holds
-    every key whole in its ``weight_map`` file."""
+    """The stored pieces of ``key`` (``{"file", "offsets", "shape"}``), a rule's expanded (all N
+    of an FSDP2 tensor: for consolidation and export, which need them all); a version 1 index
+    holds every key whole in its ``weight_map`` file."""
     info = index["tensors"][key]
+    if "rule" in info:
+        return overlapping({**info, "num_files": index["num_files"], "rule": Rule.from_json(info["rule"])})
     if "pieces" in info:
         return info["pieces"]
     return [{"file": index["weight_map"][key], "offsets": [0] * len(info["shape"]), "shape": info["shape"]}]
 
 
+def overlapping(info: dict[str, Any], offsets: list[int] | None = None, shape: list[int] | None = None) -> list[dict[str, Any]]:
+    """The stored pieces (``{"file", "offsets", "shape"}``) of a layout entry ``info`` (see
+    :func:`~resilience.checkpoint.formats.sharded_model.read_index`) that overlap the block at
+    ``offsets`` of ``shape`` (default: all of them). An entry with a ``rule`` gets them by
+    arithmetic per mesh dim (:meth:`Rule.pieces`), never by listing every rank's."""
+    rule = info.get("rule")
+    if rule is None:
+        return info["pieces"]
+    found = rule.pieces(tuple(info["shape"]), None if offsets is None else tuple(offsets), None if shape is None else tuple(shape))
+    world = rule.world_size
+    return [{"file": model_shard_name(r + 1, world, info["file_index"], info["num_files"]), "offsets": list(o), "shape": list(s)} for r, o, s in found]
+
+
 def load_by_slices(model_dir: Path, layout: dict[str, dict[str, Any]], live: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
     """Fill every tensor of ``live`` (a model's state dict: plain tensors and ``DTensor``\\ s, the
     model's own storage) in place from the pieces of ``layout`` (see
-    :func:`~resilience.checkpoint.formats.sharded_model.read_layout`) that overlap this rank's
-    block of it; an alias reads its canonical key's pieces.
+    :func:`~resilience.checkpoint.formats.sharded_model.read_index`) that overlap this rank's
+    block of it (a rule's found by arithmetic, see :func:`overlapping`); an alias reads its
+    canonical key's pieces.
 
     Raises:
         ValueError: missing or unexpected keys, another global shape, or a block the stored
@@ -155,7 +185,7 @@ def load_by_slices(model_dir: Path, layout: dict[str, dict[str, Any]], live: dic
                     raise ValueError(f"{model_dir}: {key} has shape {list(t.shape)} in the model, {info['shape']} saved")
                 block, dest = block_of(t), local_tensor(t)
                 filled = 0
-                for piece in info["pieces"]:
+                for piece in overlapping(info, list(block.offsets), list(block.shape)):
                     where = overlap_slices(list(block.offsets), list(block.shape), piece["offsets"], piece["shape"])
                     if where is None:
                         continue

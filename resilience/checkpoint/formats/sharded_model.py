@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.formats.shard_files import pieces_of
+from resilience.checkpoint.formats.shard_files import overlapping
+from resilience.checkpoint.formats.shard_rule import Rule
 from resilience.checkpoint.layout import (
     ADAPTER_CONFIG,
     DCP_METADATA,
@@ -42,13 +43,43 @@ def read_layout(model_dir: Path) -> dict[str, dict[str, Any]]:
     Raises:
         ConsolidateError: ``model_dir`` holds no sharded safetensors model (PEFT adapters, DCP).
     """
+    layout, _ = read_index(model_dir, expand=True)
+    return layout
+
+
+def read_index(model_dir: Path, *, expand: bool = False) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """``(layout, aliases)`` of ``model_dir`` from one parse of ``shard_index.json`` (see
+    :func:`read_layout` and :func:`read_aliases`). Without ``expand`` a tensor stored by its
+    sharding rule (version 3) has ``"rule"`` (a :class:`Rule`) and no ``"pieces"``: a loader
+    asks :func:`~resilience.checkpoint.formats.shard_files.overlapping` for the pieces it needs.
+
+    Raises:
+        ConsolidateError: ``model_dir`` holds no sharded safetensors model (PEFT adapters, DCP).
+    """
     index_path = model_dir / SHARD_INDEX
     if index_path.is_file():
         index = json.loads(index_path.read_text())
-        return {
-            key: {**info, "shard": index["weight_map"].get(key), "num_files": index["num_files"], "pieces": pieces_of(index, key)}
-            for key, info in index["tensors"].items()
-        }
+        return layout_of(index, expand=expand), _aliases(index)
+    return _layout_from_headers(model_dir), {}
+
+
+def layout_of(index: dict[str, Any], *, expand: bool = False) -> dict[str, dict[str, Any]]:
+    """The layout (see :func:`read_index`) of a ``shard_index.json`` document ``index``."""
+    layout = {}
+    for key, info in index["tensors"].items():
+        entry = {**info, "shard": index["weight_map"].get(key), "num_files": index["num_files"]}
+        if "rule" in info:
+            entry["rule"] = Rule.from_json(info["rule"])
+            if expand:
+                entry["pieces"] = overlapping(entry)
+        elif "pieces" not in info:  # version 1: every key whole, in its weight_map file
+            entry["pieces"] = [{"file": index["weight_map"][key], "offsets": [0] * len(info["shape"]), "shape": info["shape"]}]
+        layout[key] = entry
+    return layout
+
+
+def _layout_from_headers(model_dir: Path) -> dict[str, dict[str, Any]]:
+    """The layout of a checkpoint written before ``shard_index.json`` existed."""
     shards = shard_files(model_dir)
     layout = {}
     for shard in shards:
@@ -90,9 +121,13 @@ def read_aliases(model_dir: Path) -> dict[str, str]:
     """``{alias: canonical}``: the tied keys stored once (``shard_index.json``'s ``aliases``);
     ``{}`` for a checkpoint without them (no ties, or written before they were recorded)."""
     try:
-        aliases = json.loads((model_dir / SHARD_INDEX).read_text()).get("aliases") or {}
-    except (OSError, ValueError, AttributeError):
+        return _aliases(json.loads((model_dir / SHARD_INDEX).read_text()))
+    except (OSError, ValueError):
         return {}
+
+
+def _aliases(index: Any) -> dict[str, str]:
+    aliases = index.get("aliases") if isinstance(index, dict) else None
     return {str(k): str(v) for k, v in aliases.items()} if isinstance(aliases, dict) else {}
 
 

@@ -37,7 +37,7 @@ def check_savable(config: CheckpointConfig, model: torch.nn.Module, ctx: DistCon
         return
     if config.model_save_format != "safetensors":
         return
-    problem = model_io.save_problem(model, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object)
+    problem = model_io.save_problem(model, rank=ctx.rank, world_size=ctx.world_size, gather=ctx.all_gather_object, agree=ctx.same_everywhere)
     if problem:
         raise ConfigError(
             f"checkpoint.model_save_format=safetensors cannot save this model: {problem}; accepted: parameters that are "

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from resilience.checkpoint.layout import DCP_METADATA
@@ -59,15 +60,25 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's reader with a restricted unpickler for ``.metadata``, refusing pickled (bytes)
-    entries, which DCP would unpickle with weights_only=False. We never write any."""
+    entries, which DCP would unpickle with weights_only=False. We never write any. The file is
+    read and unpickled once per reader (our check, then DCP's ``load``, get the same object:
+    O(N x tensors) bytes at N ranks); ``parses`` counts the parses of this process."""
+
+    parses = 0
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        """DCP's ``Metadata`` from ``<path>/.metadata``, unpickled with the restricted unpickler.
+        """DCP's ``Metadata`` from ``<path>/.metadata``, unpickled with the restricted unpickler
+        (the first call; later calls return the same object).
 
         Raises:
             UnsafeCheckpointError: a foreign global, not a ``Metadata``, or a pickled-bytes entry.
         """
+        cached = self.__dict__.get("_resilience_metadata")
+        if cached is not None:
+            cached.storage_meta.load_id = self.load_id
+            return cached
         path = Path(self.path) / DCP_METADATA
+        SafeFileSystemReader.parses += 1
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
@@ -79,6 +90,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        self._resilience_metadata = metadata
         return metadata
 
 
@@ -123,8 +135,21 @@ def save_tensors(tensors: dict[str, torch.Tensor], target: Path, *, rank: int, g
     writer.fs = _DigestingFileSystem()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        dcp.save(tensors, storage_writer=writer, process_group=group)
+        dcp.save(tensors, storage_writer=writer, planner=caching_planner(target.name), process_group=group)
     return sorted(writer.fs.records.values(), key=lambda rec: rec.path)
+
+
+def caching_planner(role: str) -> DefaultSavePlanner:
+    """DCP's default planner with its plan caching on: a rank whose local plan equals its last
+    one sends none, and the coordinator reuses its global plan and metadata, so an unchanged
+    layout is not planned again at each save. torch keys that cache by the planner's class name
+    alone (``SavePlanner._cached_*[self._cached_plans_key]``, class-level, across checkpoint
+    directories: the plans name no directory); ``role`` (``model``, ``optim``) gives each DCP
+    state its own entry, so alternating saves of two states do not evict each other."""
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    if hasattr(planner, "_cached_plans_key"):
+        planner._cached_plans_key = f"resilience.{role}"
+    return planner
 
 
 def load_tensors(tensors: dict[str, torch.Tensor], source: Path, *, group: Any) -> None:
