@@ -54,6 +54,7 @@ files per rank before (``rng/``, ``dataloader/``): 2 x N files and manifest entr
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from pathlib import Path
 
@@ -107,6 +108,15 @@ DCP_SUFFIX = ".distcp"
 SAFETENSORS_SUFFIX = ".safetensors"
 MODEL_SHARD_GLOB = "shard-*-model-*-of-*.safetensors"
 OPTIM_SHARD_GLOB = "shard-*-of-*.safetensors"  # inside OPTIM_DIR: optim_shard_name()
+
+
+def is_optim_file(rel: str) -> bool:
+    """Whether ``rel`` (relative to the checkpoint) is one of the optimizer's own files of state
+    every rank holds in full (``optim/shard-0000K-of-0000N.safetensors``), read whole at a load;
+    not a sharded optimizer's pieces (``optim/shard-0000K-model-...``, which OPTIM_SHARD_GLOB
+    matches too: each rank reads only the pieces overlapping its blocks)."""
+    return fnmatch.fnmatch(rel, f"{OPTIM_DIR}/{OPTIM_SHARD_GLOB}") and not fnmatch.fnmatch(rel, f"{OPTIM_DIR}/{MODEL_SHARD_GLOB}")
+
 
 # The same, relative to the checkpoint directory.
 MODEL_SHARD_INDEX = f"{MODEL_DIR}/{SHARD_INDEX}"

@@ -16,7 +16,7 @@ from typing import Any
 from resilience.checkpoint import layout
 from resilience.checkpoint.formats import model_io, optim_io
 from resilience.checkpoint.formats.extra_state import load_extra_state
-from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, OPTIM_DIR, OPTIM_SHARD_GLOB, STEP_SCHEDULER
+from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, STEP_SCHEDULER, is_optim_file
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
@@ -155,12 +155,7 @@ def inline_files(manifest: dict[str, Any], state: TrainingState, *, weights_only
     files = manifest["files"]
     model_sharded = any(isinstance(p, DTensor) for p in state.model.parameters())
     optim = state.optimizer is not None and not weights_only and manifest["meta"].get("optimizer_saved", True)
-    return [
-        rel
-        for rel in files
-        if (not model_sharded and fnmatch.fnmatch(rel, f"{MODEL_DIR}/{MODEL_SHARD_GLOB}"))
-        or (optim and fnmatch.fnmatch(rel, f"{OPTIM_DIR}/{OPTIM_SHARD_GLOB}"))
-    ]
+    return [rel for rel in files if (not model_sharded and fnmatch.fnmatch(rel, f"{MODEL_DIR}/{MODEL_SHARD_GLOB}")) or (optim and is_optim_file(rel))]
 
 
 def _reload_main_params(optimizer: Any) -> None:

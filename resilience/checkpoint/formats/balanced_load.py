@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from resilience.checkpoint.balance import stream_owners, stream_range
-from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, OPTIM_DIR, OPTIM_SHARD_GLOB
+from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, is_optim_file
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.safetensors_file import dtype_of
 from resilience.distributed import DistContext
@@ -54,8 +54,7 @@ def streams(rels: Iterable[str]) -> dict[str, list[str]]:
     shards; ``"optim"``, the optimizer's own files. The loaders take theirs from the manifest the
     same way (:func:`stream_files`), so who digests a file is who reads its first byte."""
     rels = sorted(rels)
-    globs = {"model": f"{MODEL_DIR}/{MODEL_SHARD_GLOB}", "optim": f"{OPTIM_DIR}/{OPTIM_SHARD_GLOB}"}
-    return {kind: [rel for rel in rels if fnmatch.fnmatch(rel, glob)] for kind, glob in globs.items()}
+    return {"model": [rel for rel in rels if fnmatch.fnmatch(rel, f"{MODEL_DIR}/{MODEL_SHARD_GLOB}")], "optim": [rel for rel in rels if is_optim_file(rel)]}
 
 
 def stream_files(kind: str, check: ContentCheck | None, fallback: Iterable[str]) -> list[str]:
