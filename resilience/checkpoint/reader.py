@@ -18,26 +18,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from resilience.checkpoint import size_checks
 from resilience.checkpoint.balance import balance, stream_owners
 from resilience.checkpoint.formats import balanced_load
 from resilience.checkpoint.layout import BAD_MARKER, needed_to_resume
 from resilience.checkpoint.resume_choice import choose
 from resilience.checkpoint.storage.content_check import ContentCheck
-from resilience.checkpoint.storage.manifest import CheckpointInvalid, check_contents, first_size_problem, resume_files, validate
+from resilience.checkpoint.storage.manifest import CheckpointInvalid
 from resilience.distributed import DistContext
 
 log = logging.getLogger("resilience.checkpoint")
 
 
 T = TypeVar("T")
-
-# What rank 0 broadcasts while choosing (:func:`find_resume_point`): a candidate to size-check, or the result.
-_CHECK, _DONE = "check", "done"
 
 
 class CheckpointNotFound(FileNotFoundError):
@@ -59,9 +56,9 @@ def mark_bad(directory: Path, why: str) -> None:
 
 def _choose(ctx: DistContext, root: Path, restore_from: str | None, key: str, checksums: bool) -> tuple[str | None, dict[str, Any] | None, list[str]]:
     """(directory to resume from or None, its manifest, warnings). Runs on rank 0, the other ranks
-    in :func:`_follow` meanwhile (each candidate's size check is theirs too); marks the candidates
+    in :func:`~resilience.checkpoint.size_checks.follow` meanwhile (each candidate's size check is theirs too); marks the candidates
     found invalid as bad, so no later start checks them again."""
-    check = functools.partial(_check_candidate, ctx, checksums=checksums)
+    check = functools.partial(size_checks.check_candidate, ctx, checksums=checksums)
     if restore_from is not None:
         path = Path(restore_from)
         if not path.is_absolute() and not path.exists():
@@ -85,58 +82,6 @@ def _choose(ctx: DistContext, root: Path, restore_from: str | None, key: str, ch
     if choice.candidates:
         warnings.append(f"no valid checkpoint under {root}: starting from scratch")
     return None, None, warnings
-
-
-def _check_candidate(ctx: DistContext, directory: Path, *, checksums: bool) -> dict[str, Any]:
-    """Rank 0's check of one candidate (:func:`choose`'s ``check``): the manifest here, then every
-    rank's share of the size checks (:func:`_check_sizes`), then, with ``checksums``, every digest
-    here. Returns the manifest; raises :class:`CheckpointInvalid` (on rank 0) saying why not."""
-    doc = validate(directory, checksums=False, resume=True, sizes=False)
-    ctx.broadcast_object((_CHECK, (str(directory), doc)))
-    _check_sizes(ctx, directory, doc)
-    if checksums:
-        check_contents(directory, resume_files(doc))
-    return doc
-
-
-def _follow(ctx: DistContext) -> tuple[tuple[str | None, list[str], str | None, str | None], dict[str, Any] | None]:
-    """A rank other than 0 during :func:`_choose`: its share of each candidate's size checks, until
-    rank 0's result (chosen, warnings, not-found error, other error); returns it with the last
-    candidate's manifest (the chosen one's: :func:`choose` stops at the first that passes)."""
-    manifest = None
-    while True:
-        kind, body = ctx.broadcast_object(None)
-        if kind == _DONE:
-            return body, manifest
-        path, manifest = body
-        try:
-            _check_sizes(ctx, Path(path), manifest)
-        except CheckpointInvalid:
-            pass  # rank 0 has it too, and goes on to the next candidate
-
-
-def _check_sizes(ctx: DistContext, directory: Path, doc: dict[str, Any]) -> None:
-    """Every rank checks the sizes of its share of the files a resume reads (:func:`_size_share`);
-    one verdict for all (a collective). Raises :class:`CheckpointInvalid` on every rank, with the message a
-    serial check gives (the first bad file in manifest order), when a file is missing or short."""
-    files = resume_files(doc)
-    problem = first_size_problem(directory, _size_share(files, ctx.rank, ctx.world_size))
-    ctx.gather_or_raise(problem, fail=lambda detail: CheckpointInvalid(_first_problem(detail)))
-
-
-def _size_share(files: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
-    """This rank's files to ``stat``: the ``rank``-th of ``world_size`` contiguous runs of ``files``
-    (in manifest order, a ``stat`` each whatever the size), so the lowest failing rank holds the
-    first bad file."""
-    items = list(files.items())
-    lo, hi = len(items) * rank // world_size, len(items) * (rank + 1) // world_size
-    return dict(items[lo:hi])
-
-
-def _first_problem(detail: str) -> str:
-    """The lowest failing rank's finding in a verdict's ``"rank R: <finding>; rank S: ..."``."""
-    match = re.match(r"rank \d+: (.*?)(?:; rank \d+: |$)", detail, re.S)
-    return match.group(1) if match else detail
 
 
 def find_resume_checkpoint(
@@ -173,11 +118,11 @@ def find_resume_point(
         except CheckpointNotFound as exc:
             result = (None, [], str(exc), None)
         except Exception as exc:  # the others wait in a broadcast: let them fail too, then raise it here
-            ctx.broadcast_object((_DONE, (None, [], None, f"rank 0 failed choosing a checkpoint: {type(exc).__name__}: {exc}")))
+            ctx.broadcast_object((size_checks.DONE, (None, [], None, f"rank 0 failed choosing a checkpoint: {type(exc).__name__}: {exc}")))
             raise
-        ctx.broadcast_object((_DONE, result))
+        ctx.broadcast_object((size_checks.DONE, result))
     else:
-        result, manifest = _follow(ctx)
+        result, manifest = size_checks.follow(ctx)
     chosen, warnings, not_found, failed = result
     if failed:
         raise RuntimeError(failed)

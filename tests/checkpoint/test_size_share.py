@@ -14,7 +14,7 @@ import pytest
 
 from resilience import ExitCode
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, MANIFEST, needed_to_resume
-from resilience.checkpoint.reader import _size_share
+from resilience.checkpoint.size_checks import size_share
 from resilience.launch import launch
 from sample_runs import run
 
@@ -44,12 +44,12 @@ def test_each_rank_checks_the_sizes_of_its_half_and_a_file_missing_in_rank_1s_sh
     by_rank = _stats(ckpt, tmp_path / "stats")
     assert [r["found"] for r in by_rank] == ["epoch_0_step_4"] * 2
     for r, seen in enumerate(by_rank):
-        mine = {str(latest / rel) for rel in _size_share(files, r, 2)}
+        mine = {str(latest / rel) for rel in size_share(files, r, 2)}
         stat_files = {p for p in seen["stats"] if p.removeprefix(f"{latest}/") in files}
         assert stat_files == mine and len(mine) in (len(files) // 2, (len(files) + 1) // 2), (r, sorted(stat_files))
 
     # A file only rank 1 checks is gone: both ranks fall back to step 2, rank 0 saying what a serial check says.
-    target = latest / next(iter(_size_share(files, 1, 2)))
+    target = latest / next(iter(size_share(files, 1, 2)))
     target.unlink()
     by_rank = _stats(ckpt, tmp_path / "fallback")
     assert [r["found"] for r in by_rank] == ["epoch_0_step_2"] * 2
