@@ -121,7 +121,7 @@ def checkpoint_parts(
         parts.append(_json_part("losses", LOSSES, json.dumps(_losses(scheduler.global_step, training_rows, validation))))
     rng = capture_rng_state()
     position = None if state.dataloader is None else data_position_json(state.dataloader, scheduler.batches_in_epoch)
-    parts.append(Part("rank_state", _write_rank_state, (rank, rng, position)))  # one file per rank: N, not 2N
+    parts.append(Part(RANK_STATE_DIR, _write_rank_state, (rank, rng, position)))  # one file per rank: N, not 2N
     if buffers is not None:
         buffers.synchronize()
     return parts
