@@ -117,6 +117,7 @@ class DistContext:
         dist.gather(buffer, inbox, group=self.group, group_dst=0)
         if inbox is None:
             return None
+        # peers' bytes over our own group, unpickled as torch's object collectives do; never a file's
         return [pickle.loads(item.numpy().tobytes()) for item in inbox]  # pickle ignores the padding
 
     def gather_or_raise(self, error: str | None, payload: Any = None, *, fail: Callable[[str], BaseException]) -> list[Any]:
