@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from bench.scale import llama, probe, resume, save, sim, sparse
 from resilience.checkpoint import parts as ckpt_parts
-from resilience.checkpoint import reader, writer
+from resilience.checkpoint import reader, size_checks, writer
 from resilience.checkpoint.formats import model_io, optim_files, optim_io, optim_shards, pieces, shard_files, sharded_model
 from resilience.checkpoint.policy import retention
 from resilience.checkpoint.storage import dcp_io
@@ -73,7 +73,7 @@ def install_spies(cap_s: float) -> dict[str, Any]:
         (retention, "delete_files", "retention.delete_files (background)"),
         (retention, "remove_set_aside", "retention.remove_set_aside (background)"),
         (reader, "choose", "resume_choice.choose"),
-        (reader, "validate", "manifest.validate"),
+        (size_checks, "validate", "manifest.validate"),
         (model_io, "load_model", "model_io.load_model"),
         (sharded_model, "read_layout", "sharded_model.read_layout"),
         (sharded_model, "read_aliases", "sharded_model.read_aliases"),

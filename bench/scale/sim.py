@@ -146,6 +146,11 @@ class SimContext(DistContext):
             PROBE.received["ours"] += 2 * 8 * len(values)
         return list(values)
 
+    def same_everywhere(self, fingerprint: str) -> bool:
+        """True (the simulated peers hold what rank 0 holds); one all-reduce of two int64s."""
+        self.max_over_ranks([0, 0])  # counted as the all-reduce it is
+        return True
+
     def gather_to_root(self, obj: Any, *, largest: int | None = None) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0, ``None`` on rank r (its own compared with the one made for it)."""
         cell = self.cell

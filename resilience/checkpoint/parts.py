@@ -101,7 +101,14 @@ def checkpoint_parts(
         # twice (for an asynchronous save this runs while training waits).
         model_state, optim_state = get_state_dict(state.model, state.optimizer)
         tensors, skeleton = optim_io.capture_optimizer(
-            state.model, state.optimizer, world_size=ctx.world_size, gather=ctx.all_gather_object, state=optim_state, rank=rank, cache=optim_cache
+            state.model,
+            state.optimizer,
+            world_size=ctx.world_size,
+            gather=ctx.all_gather_object,
+            same=ctx.same_everywhere,
+            state=optim_state,
+            rank=rank,
+            cache=optim_cache,
         )
         by = "all ranks" if optim_io.uses_dcp((tensors, skeleton)) else "each rank"  # DCP's save is a collective
         if buffers is not None:

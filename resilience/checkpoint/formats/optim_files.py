@@ -49,15 +49,19 @@ except ImportError:  # torch < 2.5
 STORAGE = "safetensors"  # skeleton.json's "storage" for these files (absent: DCP's)
 
 
-def replicated(tensors: dict[str, torch.Tensor], world_size: int, gather: Callable[[Any], list[Any]] | None) -> bool:
+def replicated(tensors: dict[str, torch.Tensor], world_size: int, gather: Callable[[Any], list[Any]] | None, same: Callable[[str], bool] | None = None) -> bool:
     """Whether ``tensors`` (the optimizer's, by key) are held in full and alike by every rank:
-    no ``DTensor``, and the same keys, shapes and dtypes on every rank (one all-gather of a
-    fingerprint through ``gather`` when ``world_size > 1``; without ``gather`` then, False).
-    The same answer on every rank."""
+    no ``DTensor``, and the same keys, shapes and dtypes on every rank. With ``same``
+    (``DistContext.same_everywhere``: one all-reduce of two int64s, O(1) bytes per rank at any N)
+    the fingerprints are compared through it; else, when ``world_size > 1``, all-gathered through
+    ``gather`` (every rank receives N fingerprints); with neither, False. The same answer on
+    every rank."""
     sharded = any(isinstance(t, DTensor) for t in tensors.values())
-    if world_size == 1 or gather is None:
+    if world_size == 1 or (gather is None and same is None):
         return not sharded and world_size == 1
     mine = None if sharded else xxhash.xxh3_128_hexdigest(json.dumps([[key, list(t.shape), str(t.dtype)] for key, t in tensors.items()]).encode())
+    if same is not None:  # a sharded rank's "sharded" differs from any digest: then False everywhere
+        return same(mine or "f" * 32) and not sharded
     views = gather(mine)
     return views[0] is not None and all(view == views[0] for view in views)
 

@@ -93,6 +93,7 @@ def capture_optimizer(
     *,
     world_size: int = 1,
     gather: Callable[[Any], list[Any]] | None = None,
+    same: Callable[[str], bool] | None = None,
     state: dict[str, Any] | None = None,
     rank: int = 0,
     cache: LayoutCache | None = None,
@@ -101,12 +102,13 @@ def capture_optimizer(
     before training continues if the save is asynchronous). ``state``:
     ``get_optimizer_state_dict(model, optimizer)`` when the caller has it already. Decides where
     they go: our own files when every rank holds them alike (:func:`optim_files.replicated`: a
-    collective through ``gather``, ``DistContext.all_gather_object``, when ``world_size > 1``),
+    collective through ``same``, ``DistContext.same_everywhere``, else ``gather``,
+    ``DistContext.all_gather_object``, when ``world_size > 1``),
     per-rank pieces when they are ``DTensor`` tensors (:func:`optim_shards.capture`: planned now, on
     this thread, rank ``rank``; reused from ``cache`` while the layout is unchanged), else DCP;
     :func:`uses_dcp` tells which (the replicated files are assigned when written)."""
     tensors, skeleton = _split(get_optimizer_state_dict(model, optimizer) if state is None else state)
-    if optim_files.replicated(tensors, world_size, gather):
+    if optim_files.replicated(tensors, world_size, gather, same):
         skeleton["storage"] = optim_files.STORAGE
     elif any(isinstance(t, DTensor) for t in tensors.values()):
         optim_shards.capture(tensors, skeleton, rank=rank, world_size=world_size, gather=gather or (lambda obj: [obj]), cache=cache)
