@@ -77,3 +77,29 @@ def test_the_copies_along_a_replicate_dim_are_written_by_replicas_sharing_the_by
     plain = balance_replicas({f"t{i}": Rule((4,), (None,)) for i in range(8)}, {f"t{i}": 10 for i in range(8)})
     assert sorted(rule.replica for rule in plain.values()) == [0, 0, 1, 1, 2, 2, 3, 3]
     assert balance_replicas({"w": None, "s": Rule((4,), (0,))}, {"w": 1, "s": 8}) == {"w": None, "s": Rule((4,), (0,))}
+
+
+def test_a_replicated_models_plan_is_the_holders_split_without_n_holders_per_tensor():
+    # _replicated_plan (balance over whole tensors) must give exactly _assign's plan for N identical
+    # holders: empty tensors, dtypes of other sizes and equal sizes (ties) included
+    import torch
+
+    from resilience.checkpoint.formats.pieces import _assign, _replicated_plan, block_of
+
+    rng = random.Random(0)
+    for _ in range(200):
+        dtypes = [torch.float32, torch.bfloat16, torch.int64]
+        shape = lambda: tuple(rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(rng.randint(0, 3)))  # noqa: E731
+        state = {f"k{i}": torch.zeros(shape(), dtype=rng.choice(dtypes)) for i in range(rng.randint(0, 30))}
+        world = rng.choice([1, 2, 3, 4, 7, 64])
+        assert _replicated_plan(state, world).tensors == _assign([{k: block_of(t) for k, t in state.items()}] * world, world).tensors
+
+
+def test_replicas_of_a_world_of_8192_balance_as_a_full_heap_would():
+    # the heap holds at most as many replicas as tensors of the kind: the same choice as a heap of all 8,192
+    sizes = {f"t{i}": (i * 7919) % 97 + 1 for i in range(300)}
+    rules = balance_replicas({key: Rule((8192,), (None,)) for key in sizes}, sizes)
+    assert sorted(rule.replica for rule in rules.values()) == list(range(300))
+    few = balance_replicas({key: Rule((4,), (None,)) for key in sizes}, sizes)
+    loads = [sum(n for key, n in sizes.items() if few[key].replica == r) for r in range(4)]
+    assert max(loads) - min(loads) <= max(sizes.values())

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from resilience.checkpoint.balance import balance
 from resilience.checkpoint.formats.shard_rule import STRIDED_SHARD, DTensor, Rule, balance_replicas, rule_of
 
 try:
@@ -133,7 +134,7 @@ def make_plan(state: dict[str, torch.Tensor], *, rank: int, world_size: int, gat
             not the one its rule gives; the same on every rank.
     """
     if not is_sharded(state):
-        return _assign([{key: block_of(t) for key, t in state.items()}] * world_size, world_size)
+        return _replicated_plan(state, world_size)
     rules = rules_of(state, world_size)
     rest = {key: block_of(t) for key, t in state.items() if rules[key] is None}
     for key, rule in rules.items():
@@ -163,6 +164,23 @@ def rules_of(state: dict[str, torch.Tensor], world_size: int) -> dict[str, Rule 
     """Per key of a sharded ``state``, its sharding rule or ``None`` (planned from the gather)."""
     rules = {key: rule_of(t, world_size) for key, t in state.items()}
     return balance_replicas(rules, {key: t.numel() * t.element_size() for key, t in state.items()})
+
+
+def _replicated_plan(state: dict[str, torch.Tensor], world_size: int) -> Plan:
+    """The plan of a replicated ``state`` (every rank holds every tensor whole): :func:`balance`
+    over whole tensors, O(tensors log tensors) whatever the ranks. It is :func:`_assign`'s split for
+    N identical holders (largest first to the least loaded rank, ties to the lowest; an empty
+    tensor to rank 0), without its N holders per tensor (O(tensors x N): 1-3 s per save at 8,192)."""
+    tensors: dict[str, dict[str, Any]] = {}
+    sizes: dict[str, int] = {}
+    for key, t in state.items():
+        tensors[key] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "pieces": []}
+        if t.numel():
+            sizes[key] = t.numel() * t.element_size()
+    owner = balance(sizes, world_size)
+    for key, t in state.items():
+        tensors[key]["pieces"].append({"offsets": [0] * t.dim(), "shape": list(t.shape), "rank": owner.get(key, 0)})
+    return Plan(tensors, world_size)
 
 
 def _assign(held: list[dict[str, Block]], world_size: int) -> Plan:
