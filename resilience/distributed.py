@@ -120,6 +120,32 @@ class DistContext:
         # peers' bytes over our own group, unpickled as torch's object collectives do; never a file's
         return [pickle.loads(item.numpy().tobytes()) for item in inbox]  # pickle ignores the padding
 
+    def gather_to_leaders(self, obj: Any, block: int) -> list[Any] | None:
+        """The ranks in blocks of ``block`` consecutive ranks: on each block's first rank (its
+        leader), every member's ``obj`` (picklable) in rank order; ``None`` on the others.
+
+        Point-to-point over our gloo group (a length, then the pickled bytes), no subgroup: each
+        rank sends once or its leader receives ``block - 1`` times, so no rank's work or bytes
+        grow with the world size (a gather to rank 0 receives N payloads).
+        """
+        if not self.distributed:
+            return [obj]
+        leader = self.rank - self.rank % block
+        if self.rank != leader:
+            data = pickle.dumps(obj)
+            dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=leader, group=self.group)
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=leader, group=self.group)
+            return None
+        out = [obj]
+        for peer in range(leader + 1, min(leader + block, self.world_size)):
+            size = torch.empty(1, dtype=torch.int64)
+            dist.recv(size, src=peer, group=self.group)
+            data = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(data, src=peer, group=self.group)
+            # peers' bytes over our own group, unpickled as torch's object collectives do; never a file's
+            out.append(pickle.loads(data.numpy().tobytes()))
+        return out
+
     def gather_or_raise(self, error: str | None, payload: Any = None, *, fail: Callable[[str], BaseException]) -> list[Any]:
         """Every rank's ``payload``, indexed by rank, on every rank, or the same exception on every rank.
 

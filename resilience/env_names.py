@@ -13,6 +13,7 @@ Ours (set by the launcher or the batch templates, read by the ranks):
 ``PROGRESS_FILE_ENV``     the file where a rank reports its progress to ``resilience run``'s watchdog
 ``RESTART_COUNT_ENV``     how many times ``resilience run`` restarted the ranks in this job (``0`` first)
 ``COLLECTIVE_TIMEOUT_ENV``  seconds that bound each collective on the library's own gloo groups
+``RANK_MANIFEST_BLOCK_ENV``  ranks per rank manifest file (default 64; tests set 2 to get several blocks)
 ========================  ==========================================================================
 
 ``SLURM``: what :class:`resilience.slurm.job.SlurmJob` reads, each field's variables in order (the
@@ -34,6 +35,8 @@ PROGRESS_FILE_ENV = "RESILIENCE_PROGRESS_FILE"
 RESTART_COUNT_ENV = "RESILIENCE_RESTART_COUNT"  # in-job restarts so far (torchrun: TORCHELASTIC_RESTART_COUNT)
 COLLECTIVE_TIMEOUT_ENV = "RESILIENCE_COLLECTIVE_TIMEOUT_S"
 """Seconds bounding each collective on the library's own groups (the launcher derives it from its progress timeout)."""
+RANK_MANIFEST_BLOCK_ENV = "RESILIENCE_RANK_MANIFEST_BLOCK"
+"""Ranks per rank manifest file at a save (default ``layout.RANK_MANIFEST_BLOCK``); the manifest records it."""
 
 SLURM = {
     "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),

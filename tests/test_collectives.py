@@ -1,5 +1,6 @@
 """Our collectives on 2 real gloo ranks: a healthy verdict is a flag reduce (no payload moved), the
-save's records reach rank 0 only, a failure on one rank raises the same error on every rank."""
+save's records reach rank 0 only (each rank's own files its block's first rank only), a failure on
+one rank raises the same error on every rank."""
 
 import json
 import sys
@@ -53,3 +54,13 @@ def test_one_failing_rank_raises_the_same_error_on_every_rank(outcome):
         assert raised == {f"failed: {detail}"}, raised
         for rank in outcome:
             assert rank[label]["calls"].get("all_gather_object") == 1  # the messages, only on failure
+
+
+@pytest.mark.timeout(90)
+def test_own_records_reach_their_blocks_leader_point_to_point(outcome):
+    rank0, rank1 = (rank["to_leaders_of_2"] for rank in outcome)
+    assert rank0["result"] == [["rank_state/rank_0"], ["rank_state/rank_1"] * 51]  # unequal sizes, no padding
+    assert rank1["result"] is None
+    assert rank0["calls"] == {"recv": 2} and rank1["calls"] == {"send": 2}  # a length, then the bytes; no collective
+    for r, rank in enumerate(outcome):  # a block of one: every rank leads itself, nothing moves
+        assert rank["to_leaders_of_1"] == {"result": [[f"rank_state/rank_{r}"]], "calls": {}}

@@ -22,6 +22,7 @@ of the records to rank 0 (:meth:`DistContext.gather_to_root`) the payloads at ra
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -49,8 +50,9 @@ class Cell:
     mode: str
     world_size: int
     sim_rank: int
-    peer_records: Callable[[int], list[FileRecord]] | None = None
-    """Rank q's file records of the save, its files made (set by the save before its records gather)."""
+    peer_records: Any = None
+    """Rank q's file records of the save, its files made (a :class:`~bench.scale.save.PeerFiles`, set
+    by the save before its gathers): ``listed(q)`` (what it sends rank 0), ``own(q)`` (to its block's leader)."""
     results: dict[tuple, Any] = dataclasses.field(default_factory=dict)
     mismatches: list[str] = dataclasses.field(default_factory=list)
     dcp_target: Path | None = None
@@ -65,6 +67,7 @@ class Cell:
         """Simulate ``rank`` in ``phase`` (``save``/``resume``) from now on."""
         self.rank, self.phase = rank, phase
         self._calls = {}
+        self.own_records = []
 
     def key(self, kind: str) -> tuple:
         """A collective's identity: phase, kind, and its place among this rank's calls of that kind."""
@@ -79,13 +82,13 @@ class Cell:
         if isinstance(obj, dict) and obj and all(isinstance(b, Block) for b in obj.values()):
             return {key: _block_of(b, q, self.world_size) for key, b in obj.items()}
         if isinstance(obj, list) and obj and all(isinstance(rec, FileRecord) for rec in obj) and self.peer_records is not None:
-            return self.peer_records(q)  # the records gathered to rank 0
+            return self.peer_records.listed(q)  # the records gathered to rank 0
         if isinstance(obj, tuple) and len(obj) == 2 and obj[1] is None:
             payload = obj[0]
             if payload is None:
                 return (None, None)
             if isinstance(payload, list) and self.peer_records is not None:
-                return (self.peer_records(q), None)
+                return (self.peer_records.listed(q), None)
         raise TypeError(f"the scale bench cannot make rank {q}'s part of a gather of {type(obj).__name__}: {str(obj)[:200]}")
 
     def compare(self, where: str, made: Any, real: Any) -> None:
@@ -151,13 +154,31 @@ class SimContext(DistContext):
         self.max_over_ranks([0, 0])  # counted as the all-reduce it is
         return True
 
+    def gather_to_leaders(self, obj: Any, block: int) -> list[Any] | None:
+        """Rank 0 (a leader): its block's own file records, rank q's made by ``peer_records.own(q)``;
+        rank r (not a leader here): ``None``, its records compared with the ones made for it. The
+        point-to-point messages are counted at rank 0 (each its pickled size)."""
+        cell = self.cell
+        with PROBE.excluded():
+            key = cell.key("gather_to_leaders")
+            cell.own_records += list(obj)
+            if self.rank == 0:
+                gathered = [obj] + [cell.peer_records.own(q) for q in range(1, min(block, self.world_size))]
+                cell.results[key] = gathered
+                PROBE.received["ours"] += sum(8 + pickled_size(x) for x in gathered[1:])
+                return gathered
+            if self.rank % block == 0:
+                raise ValueError(f"the scale bench simulates rank {self.rank} as a block member, but it leads a block of {block}")
+            cell.compare(f"{key}", cell.peer_records.own(self.rank), obj)
+        return None
+
     def gather_to_root(self, obj: Any, *, largest: int | None = None) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0, ``None`` on rank r (its own compared with the one made for it)."""
         cell = self.cell
         with PROBE.excluded():
             key = cell.key("gather_to_root")
             if isinstance(obj, list) and obj and isinstance(obj[0], FileRecord):
-                cell.own_records = list(obj)
+                cell.own_records += list(obj)
             if self.rank == 0:
                 gathered = [obj] + [cell.peer_object(obj, q) for q in range(1, self.world_size)]
                 sizes = [pickled_size(x) for x in gathered]
@@ -174,8 +195,9 @@ class SimContext(DistContext):
         with PROBE.excluded():
             key = cell.key("broadcast")
             if self.rank == src:
-                cell.results[key] = (obj, pickled_size(obj))
+                cell.results[key] = (copy.deepcopy(obj), pickled_size(obj))  # as sent: the sender may change its own copy later
             obj, size = cell.results[key]
+            obj = copy.deepcopy(obj)  # each receiver unpickles a copy of its own
             PROBE.received["ours"] += 0 if self.rank == src else 8 + size
         return obj
 

@@ -236,11 +236,11 @@ class Checkpointer(Resuming):
         ``ctx`` (the background writer's group for an asynchronous save, run in its thread).
         Returns the published directory; raises ``CheckpointSaveError`` on every rank when any
         step failed anywhere (``LATEST`` is then unchanged, unless only the steps after it failed)."""
-        records, own = write_checkpoint(ctx, self.root, name, parts)  # every rank's files durable, or raise
+        written = write_checkpoint(ctx, self.root, name, parts)  # every rank's files durable, or raise
         error, victims = None, []
         if ctx.rank == 0:
             try:
-                publish(self.root, name, records, meta)  # manifest, rename, LATEST
+                publish(self.root, name, written, meta)  # manifest, rename, LATEST
             except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
                 error = describe_failure(exc)
             else:
@@ -250,7 +250,7 @@ class Checkpointer(Resuming):
                     error = f"after publishing (the checkpoint itself is published): {describe_failure(exc)}"
         victims = raise_publish_verdict(ctx, name, error, victims)
         if self._retention_window() is not None:  # without retention nothing is deleted: nothing to remember
-            self._own_files[name] = [rec.path for rec in own]
+            self._own_files[name] = [rec.path for rec in written.mine]
         self._delete(ctx, victims)
         return self.root / name
 

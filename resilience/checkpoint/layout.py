@@ -11,7 +11,12 @@ names from here only, so this tree is the whole layout::
       .held_stop.json                     HELD_STOP_RECORD: resilience run --checkpoint-dir: a stop signal
                                           it delivered after holding it for ranks that never got ready
       epoch_1_step_32/                    checkpoint_name(epoch, global_step)
-        manifest.json                     MANIFEST: written last; the directory is valid only with it
+        manifest.json                     MANIFEST: written last; the directory is valid only with it. It lists
+                                          the files any rank may read (and the rank manifests), not each
+                                          rank's own files: O(tensors) bytes, not O(ranks)
+        rank_manifests/ranks_00000-00063.json ...   RANK_MANIFESTS_DIR, rank_manifest_file(): each rank's own
+                                          files (rank state, its shards) for a block of RANK_MANIFEST_BLOCK
+                                          ranks, written by the block's first rank (storage/rank_manifests.py)
         .bad                              BAD_MARKER: why it failed to load (it is skipped from then on)
         step_scheduler.json               STEP_SCHEDULER
         config.yaml                       CONFIG: the run's configuration
@@ -86,6 +91,10 @@ RANK_STATE_DIR = "rank_state"
 RNG_DIR = "rng"  # older checkpoints (read only)
 DATALOADER_DIR = "dataloader"  # older checkpoints (read only)
 EXTRA_DIR = "extra"
+RANK_MANIFESTS_DIR = "rank_manifests"
+RANK_MANIFEST_BLOCK = 64
+"""Ranks per rank manifest file: a rank reads one file of about 64 ranks' entries at a resume
+(~50 KB for a 7B model's FSDP2 shards) and the manifest lists N/64 of them."""
 SKELETON = f"{OPTIM_DIR}/skeleton.json"
 LR_SCHEDULER = f"{OPTIM_DIR}/lr_scheduler.json"
 
@@ -177,6 +186,12 @@ def dataloader_rank_file(rank: int) -> str:
     """``dataloader/rank_<R>.json``: rank R's position in its data, in a checkpoint written before
     :func:`rank_state_file` (read, never written)."""
     return rank_file(DATALOADER_DIR, rank, ".json")
+
+
+def rank_manifest_file(first: int, last: int) -> str:
+    """``rank_manifests/ranks_<first>-<last>.json``: the own files of global ranks ``first..last``
+    (inclusive), one block of :data:`RANK_MANIFEST_BLOCK`."""
+    return f"{RANK_MANIFESTS_DIR}/ranks_{first:05d}-{last:05d}.json"
 
 
 def extra_files(name: str) -> tuple[str, str]:

@@ -18,6 +18,7 @@ from resilience.checkpoint.formats import model_io, optim_io
 from resilience.checkpoint.formats.extra_state import load_extra_state
 from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, STEP_SCHEDULER, is_optim_file
 from resilience.checkpoint.storage.content_check import ContentCheck
+from resilience.checkpoint.storage.manifest import RANK_MANIFESTS
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.data_parallel import DataParallel, position_rank
@@ -127,7 +128,8 @@ def saved_rng_file(manifest: dict[str, Any], rank: int) -> str:
     """The file holding saved rank ``rank``'s RNG states, relative to the checkpoint: its rank state
     file, or in a checkpoint written before those (per its ``manifest``), its ``rng/`` file."""
     new = layout.rank_state_file(rank)
-    return new if new in manifest["files"] or layout.rng_rank_file(rank) not in manifest["files"] else layout.rng_rank_file(rank)
+    old = layout.rng_rank_file(rank)
+    return old if RANK_MANIFESTS not in manifest and new not in manifest["files"] and old in manifest["files"] else new
 
 
 def saved_data_position(directory: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any] | None:
@@ -135,7 +137,7 @@ def saved_data_position(directory: Path, manifest: dict[str, Any], rank: int) ->
     says which layout it has): from its rank state file's header, or in a checkpoint written before
     those, its ``dataloader/`` file; None when the save had no loader."""
     files = manifest["files"]
-    if layout.rank_state_file(rank) in files:
+    if RANK_MANIFESTS in manifest or layout.rank_state_file(rank) in files:  # format 2: every rank has one, in its rank manifest
         text = read_data_position_text(directory / layout.rank_state_file(rank))
         return None if text is None else parse_data_position(text)
     old = layout.dataloader_rank_file(rank)

@@ -52,6 +52,13 @@ class Part:
     files other ranks wrote (the Hugging Face bundle of a sharded model, streamed from every
     rank's shards); every rank must have the same number of them (they end with one more
     all-gather).
+
+    ``own``: the files are this rank's own, read back (at the same world size) by this rank only:
+    rank state, a sharded model's and optimizer's shards, DCP's per-rank files. They go into a
+    rank manifest (:func:`~resilience.checkpoint.storage.manifest.write_rank_manifest`), not into
+    ``manifest.json``, which then stays O(tensors) at any number of ranks. Files that other ranks
+    plan their reads with (a replicated model's and optimizer's files, read 1/N by each rank) and
+    the run's records are not ``own``.
     """
 
     name: str
@@ -60,6 +67,7 @@ class Part:
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     by: Literal["each rank", "rank 0", "all ranks"] = "each rank"
     after_peers: bool = False
+    own: bool = False
 
     @property
     def collective(self) -> bool:
@@ -111,9 +119,11 @@ def checkpoint_parts(
             cache=optim_cache,
         )
         by = "all ranks" if optim_io.uses_dcp((tensors, skeleton)) else "each rank"  # DCP's save is a collective
+        own = not optim_io.is_replicated((tensors, skeleton))  # a replicated state's files are read 1/N by every rank
         if buffers is not None:
             tensors = buffers.copy_in(tensors, prefix="optim.")
-        parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), {"rank": rank, "world_size": ctx.world_size, "group": group}, by=by))
+        kwargs = {"rank": rank, "world_size": ctx.world_size, "group": group}
+        parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), kwargs, by=by, own=own))
     # every rank writes its shard
     parts += _model_parts(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers, tensors=model_state, layout_cache=layout_cache)
     if rank == 0:
@@ -128,7 +138,7 @@ def checkpoint_parts(
         parts.append(_json_part("losses", LOSSES, json.dumps(_losses(scheduler.global_step, training_rows, validation))))
     rng = capture_rng_state()
     position = None if state.dataloader is None else data_position_json(state.dataloader, scheduler.batches_in_epoch)
-    parts.append(Part(RANK_STATE_DIR, _write_rank_state, (rank, rng, position)))  # one file per rank: N, not 2N
+    parts.append(Part(RANK_STATE_DIR, _write_rank_state, (rank, rng, position), own=True))  # one file per rank: N, not 2N
     if buffers is not None:
         buffers.synchronize()
     return parts
@@ -197,6 +207,7 @@ def _model_parts(
             "layout_cache": layout_cache,
         },
         by="all ranks" if fmt == "torch_save" else "each rank",
+        own=sharded or fmt == "torch_save",  # each rank's shards (DCP's per-rank files); a replicated model's are read 1/N by every rank
     )
     return [model, *bundle]
 

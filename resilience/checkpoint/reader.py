@@ -28,7 +28,7 @@ from resilience.checkpoint.formats import balanced_load
 from resilience.checkpoint.layout import BAD_MARKER, needed_to_resume
 from resilience.checkpoint.resume_choice import choose
 from resilience.checkpoint.storage.content_check import ContentCheck
-from resilience.checkpoint.storage.manifest import CheckpointInvalid
+from resilience.checkpoint.storage.manifest import OWNED, CheckpointInvalid
 from resilience.distributed import DistContext
 
 log = logging.getLogger("resilience.checkpoint")
@@ -142,7 +142,9 @@ def checking_while_loading(
     listed in its parsed ``manifest``, while the ``with`` body loads; a collective over ``ctx``
     (every rank enters and leaves it, failed or not).
 
-    The shares are balanced by size, so every file is checked once across the ranks. The
+    The shares of the manifest's list are balanced by size, and each rank also checks the own
+    files of the saved ranks whose rank manifests it read (``OWNED``: its own, at the same world
+    size, which its loader reads), so every file is checked once across the ranks. The
     :class:`~resilience.checkpoint.storage.content_check.ContentCheck` it yields lets the loader
     digest a file of the share itself as it reads it (``check.claim``/``check.report``): ``inline``
     names the files it is expected to; a background thread digests the rest of the share during
@@ -155,10 +157,12 @@ def checking_while_loading(
             whatever else failed (``directory`` is then marked bad).
         Exception: the body's own error when the bytes were intact (a peer's, as RuntimeError).
     """
-    files = {rel: want for rel, want in manifest["files"].items() if needed_to_resume(rel)}  # not the bundle: never read
+    listed = {rel: want for rel, want in manifest["files"].items() if needed_to_resume(rel)}  # not the bundle: never read
+    owned = {rel: want for rel, want in manifest.get(OWNED, {}).items() if needed_to_resume(rel)}  # the saved ranks' own files this rank checks
     inline = list(inline)
     streams = list(balanced_load.streams(inline).values()) if balanced else []
-    check = ContentCheck(directory, files, _share(files, ctx.rank, ctx.world_size, streams), inline=inline)
+    share = sorted(_share(listed, ctx.rank, ctx.world_size, streams) + list(owned))
+    check = ContentCheck(directory, {**listed, **owned}, share, inline=inline)
     check.start()
     error: BaseException | None = None
     try:

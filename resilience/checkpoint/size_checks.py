@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.storage.manifest import CheckpointInvalid, check_contents, first_size_problem, resume_files, validate
+from resilience.checkpoint.layout import needed_to_resume
+from resilience.checkpoint.storage.manifest import OWNED, CheckpointInvalid, all_files, check_contents, first_size_problem, read_owned, resume_files, validate
 from resilience.distributed import DistContext
 
 # What rank 0 broadcasts while choosing (reader.find_resume_point): a candidate to size-check, or the result.
@@ -27,8 +28,8 @@ def check_candidate(ctx: DistContext, directory: Path, *, checksums: bool) -> di
     doc = validate(directory, checksums=False, resume=True, sizes=False)
     ctx.broadcast_object((CHECK, (str(directory), doc)))
     check_sizes(ctx, directory, doc)
-    if checksums:
-        check_contents(directory, resume_files(doc))
+    if checksums:  # every file here, every rank's own included (the rank manifests read: O(files), as the digests are)
+        check_contents(directory, {rel: want for rel, want in all_files(directory, doc).items() if needed_to_resume(rel)})
     return doc
 
 
@@ -49,11 +50,20 @@ def follow(ctx: DistContext) -> tuple[tuple[str | None, list[str], str | None, s
 
 
 def check_sizes(ctx: DistContext, directory: Path, doc: dict[str, Any]) -> None:
-    """Every rank checks the sizes of its share of the files a resume reads (:func:`size_share`);
-    one verdict for all (a collective). Raises :class:`CheckpointInvalid` on every rank, with the message a
-    serial check gives (the first bad file in manifest order), when a file is missing or short."""
-    files = resume_files(doc)
-    problem = first_size_problem(directory, size_share(files, ctx.rank, ctx.world_size))
+    """Every rank checks the sizes of its share of the files a resume reads: its 1/N of the
+    manifest's list (:func:`size_share`), then the own files of the saved ranks it checks, from
+    their rank manifests (:func:`~resilience.checkpoint.storage.manifest.read_owned`; kept in its
+    copy of ``doc`` under ``OWNED`` for the load's digest share); one verdict for all (a
+    collective). Raises :class:`CheckpointInvalid` on every rank, with the message a serial check
+    gives (the first bad file, by rank), when a file or rank manifest is missing, short or corrupt."""
+    problem = first_size_problem(directory, size_share(resume_files(doc), ctx.rank, ctx.world_size))
+    if problem is None:
+        try:
+            doc[OWNED] = read_owned(directory, doc, ctx.rank, ctx.world_size)
+        except CheckpointInvalid as exc:
+            problem = str(exc)
+        else:
+            problem = first_size_problem(directory, doc[OWNED])
     ctx.gather_or_raise(problem, fail=lambda detail: CheckpointInvalid(_first_problem(detail)))
 
 

@@ -9,10 +9,14 @@ then :func:`raise_publish_verdict`):
    every file it wrote (most while writing them); local parts on a worker thread beside the
    collective ones (DCP). Collective parts run on every rank even after a local failure, so
    no peer is left waiting in them.
-3. The file lists go to rank 0 only, after a flag reduce of the errors: one failure anywhere
-   raises on every rank. Parts that read every rank's files (``after_peers``: a sharded model's
+3. After a flag reduce of the errors (one failure anywhere raises on every rank), each rank's
+   *own* files (``Part.own``: rank state, a sharded model's and optimizer's shards) go to the
+   first rank of its block, which writes them as a rank manifest; the other files (any rank may
+   read them) and the rank manifests go to rank 0 only. So rank 0 receives O(tensors + N/block)
+   records, not O(files). Parts that read every rank's files (``after_peers``: a sharded model's
    Hugging Face bundle) run then, and their outcome is gathered the same way.
-4. Rank 0 writes ``manifest.json`` last, fsyncs every directory, renames the staging directory
+4. Rank 0 writes ``manifest.json`` last, fsyncs the directories (each block's leader fsynced those of its
+   members' own files), renames the staging directory
    into place, fsyncs the root, and only then swaps ``LATEST``. Its success or failure (and that
    of the steps after it: ``LOWEST_VAL``, retention's choice) reaches every rank in the last
    collective, with the checkpoints retention set aside (each rank then deletes its own files
@@ -23,6 +27,7 @@ A failure at any point leaves the previous checkpoint and ``LATEST`` untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -32,13 +37,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from resilience.checkpoint.layout import BAD_MARKER, LATEST, STAGING_PREFIX, TRASH_PREFIX
+from resilience.checkpoint.layout import BAD_MARKER, LATEST, RANK_MANIFEST_BLOCK, STAGING_PREFIX, TRASH_PREFIX
 from resilience.checkpoint.policy.lineage import describe, is_checkpoint_named, set_aside
 from resilience.checkpoint.policy.lowest_val import LOWEST_VAL
-from resilience.checkpoint.storage.durable import FileRecord, fsync_dir, fsync_file, record
-from resilience.checkpoint.storage.manifest import write_manifest
+from resilience.checkpoint.storage.durable import FileRecord, directories_of, fsync_dir, fsync_file, record
+from resilience.checkpoint.storage.manifest import write_manifest, write_rank_manifest
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer, write_pointer
 from resilience.distributed import DistContext
+from resilience.env_names import RANK_MANIFEST_BLOCK_ENV
 
 if TYPE_CHECKING:  # parts.py builds the parts; the writer only runs them
     from resilience.checkpoint.parts import Part
@@ -85,16 +91,42 @@ def describe_failure(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
 
 
-def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part]) -> tuple[list[FileRecord], list[FileRecord]]:
-    """Steps 1 to 3: stage ``root/.staging_<name>/``, write every rank's ``parts`` into it, fsync'd
-    and digested, and gather the file lists to rank 0; a collective over ``ctx`` (every rank calls it).
+@dataclasses.dataclass
+class Written:
+    """What :func:`write_checkpoint` wrote, for :func:`publish` and retention."""
 
-    Returns ``(every, own)``: every rank's file records on rank 0 (it publishes them with
-    :func:`publish`; empty on the other ranks), and this rank's own (retention deletes them). Raises
+    listed: list[FileRecord]
+    """Rank 0: the files ``manifest.json`` lists (those any rank may read, and the rank
+    manifests), from every rank; empty on the other ranks."""
+    mine: list[FileRecord]
+    """Every file this rank wrote (retention deletes them with the checkpoint)."""
+    rank_manifests: dict[str, int]
+    """``{"world_size": N, "block": B}``: the rank manifests that hold each rank's own files."""
+
+
+def rank_manifest_block() -> int:
+    """Ranks per rank manifest: ``RESILIENCE_RANK_MANIFEST_BLOCK`` when set (tests use 2 to get
+    several blocks on few ranks), else :data:`~resilience.checkpoint.layout.RANK_MANIFEST_BLOCK`.
+    Raises ``ValueError`` naming the variable when it is not a whole number >= 1."""
+    raw = os.environ.get(RANK_MANIFEST_BLOCK_ENV)
+    if not raw:
+        return RANK_MANIFEST_BLOCK
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{RANK_MANIFEST_BLOCK_ENV}: expected a whole number of ranks >= 1, got {raw!r}")
+    return int(raw)
+
+
+def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part]) -> Written:
+    """Steps 1 to 3: stage ``root/.staging_<name>/``, write every rank's ``parts`` into it, fsync'd
+    and digested, write the rank manifests and gather the other file lists to rank 0; a collective
+    over ``ctx`` (every rank calls it).
+
+    Returns what was written (:class:`Written`; rank 0 publishes it with :func:`publish`). Raises
     :class:`CheckpointSaveError` on every rank when any rank failed; the staging directory is
     then removed and the previous checkpoint and ``LATEST`` are left as they were.
     """
     staging = root / f"{STAGING_PREFIX}{name}"
+    block = rank_manifest_block()
 
     # 1. staging directory (rank 0)
     error = None
@@ -108,25 +140,37 @@ def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part])
             error = describe_failure(exc)
     ctx.gather_or_raise(error, fail=_failed(name, "creating the staging directory"))
 
-    # 2. every rank writes its parts, fsyncs and digests them; then those that read them all
-    own, error = _write_parts(staging, [p for p in parts if not p.after_peers])
+    # 2. every rank writes its parts, fsyncs and digests them
+    listed, own, error = _write_parts(staging, [p for p in parts if not p.after_peers])
     try:
-        gathered = ctx.gather_to_root_or_raise(error, own, fail=_failed(name, "writing files")) or []
+        ctx.gather_or_raise(error, fail=_failed(name, "writing files"))
+        # 3. own files to the block's first rank (a rank manifest), the rest to rank 0; then the parts that read them all
+        members = ctx.gather_to_leaders(own, block)
+        error = None
+        if members is not None:
+            try:
+                for rel in directories_of([rec.path for own in members for rec in own]):  # the block's directory entries durable
+                    fsync_dir(staging / rel)
+                listed.append(write_rank_manifest(staging, ctx.rank, members))
+            except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+                error = describe_failure(exc)
+        gathered = ctx.gather_to_root_or_raise(error, listed, fail=_failed(name, "writing the rank manifests")) or []
         late = [p for p in parts if p.after_peers]
         if late:
-            records, error = _run_parts(staging, late, stop_at_error=True)
+            records, late_own, error = _run_parts(staging, late, stop_at_error=True)
+            records += late_own  # the rank manifests are written: listed
             gathered += ctx.gather_to_root_or_raise(error, records, fail=_failed(name, "writing files from every rank's files")) or []
-            own = own + records
+            listed = listed + records
     except CheckpointSaveError:
         if ctx.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    return [rec for recs in gathered for rec in recs], own
+    return Written([rec for recs in gathered for rec in recs], listed + own, {"world_size": ctx.world_size, "block": block})
 
 
-def publish(root: Path, name: str, records: list[FileRecord], meta: dict[str, Any]) -> Path:
+def publish(root: Path, name: str, written: Written, meta: dict[str, Any]) -> Path:
     """Step 4, rank 0, once every rank's files are durable (:func:`write_checkpoint`): the manifest
-    last, fsync every directory, rename into place, fsync the root, then ``LATEST``. Returns the
+    last, fsync the directories of its files, rename into place, fsync the root, then ``LATEST``. Returns the
     published directory. Raises what failed, after removing the staging directory (a failed save
     must not hold a checkpoint's worth of disk); ``LATEST`` then still names the previous one.
     """
@@ -134,9 +178,12 @@ def publish(root: Path, name: str, records: list[FileRecord], meta: dict[str, An
     final = root / name
     try:
         phase("manifest")
-        write_manifest(staging, records, meta)
-        for dirpath, _, _ in os.walk(staging):
-            fsync_dir(Path(dirpath))
+        write_manifest(staging, written.listed, meta, written.rank_manifests)
+        # the directories of the listed files (the rank manifests' leaders did theirs): no listing
+        # of directories that hold a file per rank (a readdir of 50,000 entries on rank 0 at 8,192)
+        for rel in directories_of([rec.path for rec in written.listed]):
+            fsync_dir(staging / rel)
+        fsync_dir(staging)
         phase("rename")
         _rename_into_place(root, staging, final, parent=meta.get("parent"))
         phase("pointer")
@@ -155,8 +202,9 @@ def raise_publish_verdict(ctx: DistContext, name: str, error: str | None, victim
     return ctx.verdict_from_root(error, victims or None, fail=_failed(name, "publishing")) or []
 
 
-def _write_parts(staging: Path, parts: list[Part]) -> tuple[list[FileRecord], str | None]:
-    """Run ``parts`` into ``staging``: (records of every file written, first error or None).
+def _write_parts(staging: Path, parts: list[Part]) -> tuple[list[FileRecord], list[FileRecord], str | None]:
+    """Run ``parts`` into ``staging``: (records of the files the manifest lists, of this rank's own
+    files, first error or None).
 
     Local parts run on a worker thread beside the collective ones (DCP), which stay on this
     thread in their order: DCP serialises on one core at ~1 GB/s here, slower than the disk, so
@@ -170,18 +218,20 @@ def _write_parts(staging: Path, parts: list[Part]) -> tuple[list[FileRecord], st
     )
     worker.start()
     try:
-        records, error = _run_parts(staging, [p for p in parts if p.collective], stop_at_error=False)
+        records, own, error = _run_parts(staging, [p for p in parts if p.collective], stop_at_error=False)
     finally:
         worker.join()
-    local_records, local_error = local.get("result", ([], "the parts' writer thread died"))
-    return records + local_records, local_error or error
+    local_records, local_own, local_error = local.get("result", ([], [], "the parts' writer thread died"))
+    return records + local_records, own + local_own, local_error or error
 
 
-def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tuple[list[FileRecord], str | None]:
-    """Run ``parts`` in order; after an error, the rest run only when not ``stop_at_error`` (a
-    collective part must run on every rank even after a local failure: a rank that skipped it
-    would leave its peers waiting in DCP's collective forever)."""
+def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tuple[list[FileRecord], list[FileRecord], str | None]:
+    """Run ``parts`` in order: (records of the files the manifest lists, of the own files, first
+    error or None); after an error, the rest run only when not ``stop_at_error`` (a collective
+    part must run on every rank even after a local failure: a rank that skipped it would leave
+    its peers waiting in DCP's collective forever)."""
     records: list[FileRecord] = []
+    own: list[FileRecord] = []
     error = None
     for part in parts:
         if error is not None and stop_at_error:
@@ -193,15 +243,16 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
                 if stop_at_error:
                     raise
                 error = error or f"{part.name}: {describe_failure(exc)}"
+            into = own if part.own else records
             for written in part.write(staging, *part.args, **part.kwargs):
                 if isinstance(written, FileRecord):  # digested while written, and fsync'd
-                    records.append(written)
+                    into.append(written)
                 else:  # written by a library that hides its bytes: fsync, then read back
                     fsync_file(staging / written)
-                    records.append(record(staging, written))
+                    into.append(record(staging, written))
         except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
             error = error or f"{part.name}: {describe_failure(exc)}"
-    return records, error
+    return records, own, error
 
 
 def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = None) -> None:

@@ -142,13 +142,15 @@ def verify_path(path: Path, *, progress: bool = True) -> dict[str, Any]:
     """
     from tqdm import tqdm
 
-    from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
+    from resilience.checkpoint.storage.manifest import CheckpointInvalid, all_files, read_manifest
 
     directories, leftovers, set_aside = _targets(path)
     manifests: list[tuple[Path, dict[str, Any] | None, str | None]] = []
     for directory in directories:
         try:
-            manifests.append((directory, read_manifest(directory), None))
+            doc = read_manifest(directory)
+            # every rank's own files too; a bad rank manifest fails as a file of the list, its ranks' files unchecked
+            manifests.append((directory, {**doc, "files": all_files(directory, doc, skip_bad=True)}, None))
         except CheckpointInvalid as exc:
             error = "missing (an incomplete save)" if not (directory / MANIFEST).exists() else within(str(exc), directory)
             manifests.append((directory, None, error))

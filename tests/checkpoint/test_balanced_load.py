@@ -15,6 +15,7 @@ import torch
 
 from resilience import ExitCode
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, MANIFEST, MODEL_DIR, OPTIM_DIR, SKELETON, needed_to_resume, optim_shard_name
+from resilience.checkpoint.storage.manifest import all_files
 from resilience.launch import launch
 
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "balanced_train.py"
@@ -34,7 +35,8 @@ def run(ckpt: Path, out: Path, nproc: int, overrides: list[str], env: dict[str, 
 
 def replicated_and_rest(checkpoint: Path) -> tuple[int, int]:
     """(bytes of the model shards and optimizer files, bytes of every other file a resume reads)."""
-    files = {rel: e for rel, e in json.loads((checkpoint / MANIFEST).read_text())["files"].items() if needed_to_resume(rel)}
+    doc = json.loads((checkpoint / MANIFEST).read_text())
+    files = {rel: e for rel, e in all_files(checkpoint, doc).items() if needed_to_resume(rel)}  # the ranks' own files too
     replicated = sum(e["size"] for rel, e in files.items() if rel.startswith((f"{MODEL_DIR}/shard-", f"{OPTIM_DIR}/shard-")))
     return replicated, sum(e["size"] for e in files.values()) - replicated + (checkpoint / MANIFEST).stat().st_size
 

@@ -27,9 +27,9 @@ from resilience.checkpoint import (
     writer,
 )
 from resilience.checkpoint.formats.model_io import model_file
-from resilience.checkpoint.layout import BAD_MARKER, LATEST, MANIFEST, OPTIM_DIR, optim_shard_name
+from resilience.checkpoint.layout import BAD_MARKER, LATEST, MANIFEST, OPTIM_DIR, optim_shard_name, rank_manifest_file, rank_state_file
 from resilience.checkpoint.storage.durable import DIGEST, file_digest
-from resilience.checkpoint.storage.manifest import validate
+from resilience.checkpoint.storage.manifest import all_files, validate
 from resilience.checkpoint.storage.pointers import read_pointer, write_pointer
 from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
@@ -238,8 +238,12 @@ def test_layout_manifest_lists_exactly_the_files_on_disk_and_latest_is_relative(
         directory = root / f"epoch_0_step_{step}"
         manifest = json.loads((directory / MANIFEST).read_text())
         on_disk = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()} - {MANIFEST}
-        assert set(manifest["files"]) == on_disk
-        for rel, entry in manifest["files"].items():
+        listed = all_files(directory, manifest)  # the manifest's list and the rank manifest's own files
+        assert set(listed) == on_disk
+        # the rank's own file is in its rank manifest, which the manifest lists; not in the manifest itself
+        assert "rank_manifests/ranks_00000-00000.json" in manifest["files"] and "rank_state/rank_00000.safetensors" not in manifest["files"]
+        assert manifest["rank_blocks"] == {"world_size": 1, "block": 64}
+        for rel, entry in listed.items():
             assert entry["size"] == (directory / rel).stat().st_size
             assert entry[DIGEST] == file_digest(directory / rel)
         assert {
@@ -255,6 +259,20 @@ def test_layout_manifest_lists_exactly_the_files_on_disk_and_latest_is_relative(
         assert not any(rel.startswith(("rng/", "dataloader/")) for rel in on_disk)
         assert manifest["meta"]["global_step"] == step
         validate(directory)
+
+
+def test_every_directory_of_a_checkpoint_is_fsynced_after_its_entries_and_none_is_listed(root, monkeypatch):
+    # the publish fsyncs the directories of its files by their paths (no readdir of a directory of
+    # a file per rank); the block's leader those of its members' own files (rank_state/ here)
+    synced, listed = [], []
+    monkeypatch.setattr(writer, "fsync_dir", lambda path: synced.append(Path(path)))
+    real_scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path=".": listed.append(str(path)) or real_scandir(path))
+    directory = save_steps(root, 3).root / "epoch_0_step_3"
+    staging = root / ".staging_epoch_0_step_3"
+    want = {staging} | {staging / p.relative_to(directory) for p in directory.rglob("*") if p.is_dir()}
+    assert want <= set(synced), sorted(map(str, want - set(synced)))
+    assert not [p for p in listed if ".staging_" in p], listed
 
 
 # -- atomic publish --------------------------------------------------------------------------
@@ -348,16 +366,27 @@ def _malformed_manifest(directory: Path) -> None:
     (directory / MANIFEST).write_text(json.dumps({"format_version": 1, "files": ["model"]}))
 
 
+def _flip_rank_manifest(directory: Path) -> None:
+    path = directory / rank_manifest_file(0, 0)
+    path.write_bytes(path.read_bytes().replace(b'"size": ', b'"size":0', 1))  # same length, another size
+
+
+def _drop_own_file(directory: Path) -> None:
+    (directory / rank_state_file(0)).unlink()  # listed in the rank manifest, not in manifest.json
+
+
 @pytest.mark.parametrize(
     "damage, why",
     [
         (_truncate, "truncated"),
         (_flip_byte, "checksum mismatch"),
         (_drop_manifest, "no manifest.json"),
-        (_malformed_manifest, "not a format-1 manifest"),
+        (_malformed_manifest, "not a manifest of format 1 or 2"),
         (_delete, "no such checkpoint directory"),
+        (_flip_rank_manifest, "ranks_00000-00000.json: checksum mismatch"),
+        (_drop_own_file, "rank_00000.safetensors: missing"),
     ],
-    ids=["truncated-shard", "flipped-bytes", "missing-manifest", "malformed-manifest", "deleted-directory"],
+    ids=["truncated-shard", "flipped-bytes", "missing-manifest", "malformed-manifest", "deleted-directory", "corrupt-rank-manifest", "missing-own-file"],
 )
 def test_invalid_latest_falls_back_to_newest_older_valid_checkpoint(root, caplog, damage, why):
     save_steps(root, 2, 4, 6)

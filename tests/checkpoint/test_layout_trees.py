@@ -96,6 +96,7 @@ OUR_EXTRAS = re.compile(
     r"^epoch_0_step_20/("
     r"manifest\.json|common\.json|optim/\.metadata|optim/skeleton\.json|model/\.metadata"
     r"|model/shard_index\.json|model/consolidate\.sh|model/hf_metadata(/.*)?|model/consolidated/special_tokens_map\.json"
+    r"|rank_manifests/ranks_\d{5}-\d{5}\.json"
     r")$"
 )
 

@@ -18,9 +18,9 @@ from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resilience.checkpoint import Checkpointer, TrainingState
-from resilience.checkpoint.layout import MANIFEST, RANK_STATE_DIR, dataloader_rank_file, rank_state_file, rng_rank_file
+from resilience.checkpoint.layout import MANIFEST, RANK_MANIFESTS_DIR, RANK_STATE_DIR, dataloader_rank_file, rank_state_file, rng_rank_file
 from resilience.checkpoint.storage.durable import record
-from resilience.checkpoint.storage.manifest import validate
+from resilience.checkpoint.storage.manifest import all_files, validate
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.data_position import resume_iterator
@@ -47,7 +47,8 @@ def _checkpointer(root: Path, state: TrainingState) -> Checkpointer:
 def to_old_layout(directory: Path) -> None:
     """Rewrite a checkpoint as main wrote it before ``rank_state/``: rank 0's RNG states in
     ``rng/rank_00000.safetensors`` (the same tensors and header), its data position in
-    ``dataloader/rank_00000.json``, the manifest listing those two instead."""
+    ``dataloader/rank_00000.json``, a format 1 manifest (one list, no rank manifests) listing
+    those two instead."""
     new = directory / rank_state_file(0)
     with safe_open(str(new), framework="pt") as fh:
         meta = dict(fh.metadata())
@@ -58,6 +59,12 @@ def to_old_layout(directory: Path) -> None:
     (directory / dataloader_rank_file(0)).write_text(position)
     shutil.rmtree(directory / RANK_STATE_DIR)
     doc = json.loads((directory / MANIFEST).read_text())
+    doc["files"] = all_files(directory, doc)
+    for rel in [rel for rel in doc["files"] if rel.startswith(RANK_MANIFESTS_DIR + "/")]:
+        (directory / rel).unlink()
+        del doc["files"][rel]
+    doc["format_version"] = 1
+    del doc["rank_blocks"]
     del doc["files"][rank_state_file(0)]
     for rel in (rng_rank_file(0), dataloader_rank_file(0)):
         doc["files"][rel] = record(directory, rel).manifest_entry()
@@ -70,7 +77,7 @@ def to_old_layout(directory: Path) -> None:
 def test_rng_and_data_position_come_back_exactly_from_either_layout(tmp_path, layout):
     saved, batches = _state()
     directory = _checkpointer(tmp_path, saved).save("periodic")
-    files = set(json.loads((directory / MANIFEST).read_text())["files"])
+    files = set(all_files(directory, json.loads((directory / MANIFEST).read_text())))
     assert rank_state_file(0) in files and not any(rel.startswith(("rng/", "dataloader/")) for rel in files), sorted(files)
     want_draws = (torch.rand(3), random.random(), np.random.rand(2))
     want_batches = [b[0] for b in batches]  # the rest of the epoch, from where it was saved

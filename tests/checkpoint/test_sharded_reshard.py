@@ -4,8 +4,9 @@ must equal, bitwise, those the saving run ended with (its final checkpoint)."""
 
 import pytest
 
-from resilience.checkpoint.layout import LATEST
+from resilience.checkpoint.layout import LATEST, RANK_MANIFESTS_DIR
 from resilience.checkpoint.storage.manifest import validate
+from resilience.env_names import RANK_MANIFEST_BLOCK_ENV
 from sharded_runs import assert_loaded, bytes_per_rank, index_pieces, record, run, shard_index, stored_copies
 
 ELASTIC = "checkpoint.world_size_change=elastic"
@@ -22,9 +23,11 @@ def _steps(n):
 def test_fsdp2_four_ranks_write_a_quarter_each_and_load_on_two_ranks_then_into_a_plain_single_process_model(tmp_path):
     ckpt = tmp_path / "ck"
     four, two, one = tmp_path / "four", tmp_path / "two", tmp_path / "one"
-    assert run(ckpt, four, "fsdp", 4, _steps(3), dims=EVEN) == [0] * 4
+    # rank manifests of 2 ranks each: ranks 0 and 2 write one; at 4 -> 2, rank 0 checks saved ranks 0 and 2 (both files)
+    assert run(ckpt, four, "fsdp", 4, _steps(3), dims=EVEN, env={RANK_MANIFEST_BLOCK_ENV: "2"}) == [0] * 4
     total = shard_index(ckpt)["metadata"]["total_size"]
     assert bytes_per_rank(ckpt, 4) == [total // 4] * 4, "each rank wrote exactly its quarter"
+    assert sorted(p.name for p in (ckpt / LATEST / RANK_MANIFESTS_DIR).iterdir()) == ["ranks_00000-00001.json", "ranks_00002-00003.json"]
 
     assert run(ckpt, two, "fsdp", 2, _steps(5), ELASTIC, dims=EVEN) == [0, 0]  # 4 -> 2
     assert_loaded(two, four)

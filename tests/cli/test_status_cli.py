@@ -26,6 +26,7 @@ from resilience.checkpoint import Checkpointer, TrainingState, writer
 from resilience.checkpoint.layout import BAD_MARKER, MANIFEST
 from resilience.checkpoint.policy.progress_guard import must_end
 from resilience.checkpoint.reader import find_resume_checkpoint
+from resilience.checkpoint.storage.manifest import all_files
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler
@@ -296,8 +297,8 @@ def test_verify_root_reports_every_failure_and_exits_1(damaged, capsys):
     check_golden("status_verify.json", json.dumps(normalise_json(doc, damaged), indent=2, sort_keys=True) + "\n")
     for result in doc["checkpoints"]:
         manifest = damaged / result["name"] / MANIFEST
-        if manifest.exists():
-            assert result["files_checked"] == len(json.loads(manifest.read_text())["files"])
+        if manifest.exists():  # every file: the manifest's list and the rank manifest's own files
+            assert result["files_checked"] == len(all_files(manifest.parent, json.loads(manifest.read_text())))
     assert {r["name"]: r["ok"] for r in doc["checkpoints"]} == {
         "epoch_0_step_10": False,
         "epoch_0_step_9": False,
@@ -617,7 +618,7 @@ def test_verify_checks_a_bundle_consolidated_after_the_checkpoint(tmp_path, caps
     code, out, _ = run_cli(capsys, "verify", str(directory), "--json", "--no-progress")
     result = json.loads(out)["checkpoints"][0]
     assert code == 0 and result["bundle"] == "verified"
-    assert result["files_checked"] == len(json.loads((directory / MANIFEST).read_text())["files"]) + len(
+    assert result["files_checked"] == len(all_files(directory, json.loads((directory / MANIFEST).read_text()))) + len(
         json.loads((bundle / "bundle_manifest.json").read_text())["files"]
     )
 

@@ -16,7 +16,7 @@ from resilience.distributed import DistContext
 
 world, rank = ranks.join()
 calls: collections.Counter[str] = collections.Counter()
-for name in ("all_gather_object", "gather", "broadcast", "all_reduce", "all_gather"):
+for name in ("all_gather_object", "gather", "broadcast", "all_reduce", "all_gather", "send", "recv"):
     original = getattr(dist, name)
 
     def counted(*args, _original=original, _name=name, **kwargs):
@@ -50,6 +50,8 @@ record("verdict_without_share", lambda: ctx.verdict_from_root(None, None, fail=f
 record("one_rank_fails_records", lambda: ctx.gather_to_root_or_raise("disk full" if rank == 1 else None, records, fail=fail))
 record("one_rank_fails_verdict", lambda: ctx.verdict_from_root("rename failed" if rank == 0 else None, ["x"] if rank == 0 else None, fail=fail))
 record("payload_everywhere", lambda: ctx.gather_or_raise(None, rank * 10, fail=fail))
+record("to_leaders_of_2", lambda: ctx.gather_to_leaders([f"rank_state/rank_{rank}"] * (1 + 50 * rank), 2))
+record("to_leaders_of_1", lambda: ctx.gather_to_leaders([f"rank_state/rank_{rank}"], 1))
 Path(sys.argv[1], f"rank_{rank}.json").write_text(json.dumps(out))
 ctx.close()
 dist.destroy_process_group()

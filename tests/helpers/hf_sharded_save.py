@@ -101,12 +101,12 @@ def save_with_our_writer() -> None:
 
         bundle_shards.write_file = broken
     try:
-        records, _ = write_checkpoint(ctx, out / "ckpt", "step_1", [Part("shards", save_shards, by="all ranks"), made[1]])
+        written = write_checkpoint(ctx, out / "ckpt", "step_1", [Part("shards", save_shards, by="all ranks"), made[1]])
     except CheckpointSaveError as exc:
         (out / f"failed-rank{rank}.txt").write_text(str(exc))
     else:
         if rank == 0:
-            publish(out / "ckpt", "step_1", records, {"global_step": 1})
+            publish(out / "ckpt", "step_1", written, {"global_step": 1})
     ctx.close()
 
 

@@ -185,14 +185,18 @@ def check_inputs(model_dir: Path, *, progress: bool = False) -> None:
     Raises:
         CorruptedInput: a listed file is missing, of the wrong size or its digest differs.
     """
-    from resilience.checkpoint.storage.manifest import CheckpointInvalid, digest_problem, read_manifest, size_problem, well_formed
+    from resilience.checkpoint.storage.manifest import CheckpointInvalid, all_files, digest_problem, read_manifest, size_problem, well_formed
 
     checkpoint = model_dir.parent
     try:
-        files = read_manifest(checkpoint)["files"]
+        doc = read_manifest(checkpoint)
     except CheckpointInvalid as exc:
         log.warning("the shards of %s are not checked against digests: %s", model_dir, exc)
         return
+    try:
+        files = all_files(checkpoint, doc)  # each rank's shards are in its rank manifest
+    except CheckpointInvalid as exc:
+        raise CorruptedInput(f"{exc}; not consolidating a corrupt checkpoint (resilience verify {checkpoint} lists every bad file)") from exc
     prefix, skip = f"{model_dir.name}/", f"{model_dir.name}/{CONSOLIDATED}/"
     mine = {rel: want for rel, want in files.items() if isinstance(rel, str) and rel.startswith(prefix) and not rel.startswith(skip)}
     if not mine:

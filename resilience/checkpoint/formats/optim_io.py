@@ -121,6 +121,12 @@ def uses_dcp(captured: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> bool:
     return captured[1].get("storage") not in (optim_files.STORAGE, optim_shards.STORAGE)
 
 
+def is_replicated(captured: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> bool:
+    """Whether a :func:`capture_optimizer` state is one every rank holds in full (its own files,
+    each rank writing ~1/N of the tensors, every rank reading them all), not a sharded one."""
+    return captured[1].get("storage") == optim_files.STORAGE
+
+
 def save_optimizer(
     staging: Path, captured: tuple[dict[str, torch.Tensor], dict[str, Any]], *, rank: int, world_size: int = 1, group: Any = None
 ) -> list[str | FileRecord]:

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,14 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def directories_of(rels: Iterable[str]) -> list[str]:
+    """Every directory holding one of ``rels`` (paths relative to one root), their ancestors
+    included, deepest first (the order their entries become durable in: a directory after what
+    it holds); the root itself (``""``) is not listed. O(len(rels)), no listing of the disk."""
+    found = {str(parent) for rel in rels for parent in Path(rel).parents if str(parent) != "."}
+    return sorted(found, key=lambda d: (-len(Path(d).parts), d))
 
 
 def write_bytes(path: Path, data: bytes | memoryview) -> None:
@@ -99,6 +107,14 @@ def new_digest(algorithm: str = DIGEST) -> Any:
         return _ALGORITHMS[algorithm]()
     except KeyError:
         raise ValueError(f"unknown digest algorithm {algorithm!r}; accepted: {', '.join(_ALGORITHMS)}") from None
+
+
+def bytes_digest(data: bytes | memoryview, algorithm: str = DIGEST) -> str:
+    """Hex digest of ``data`` by ``algorithm``: :func:`file_digest` of bytes already in memory.
+    Raises ``ValueError`` for an unknown ``algorithm``."""
+    digest = new_digest(algorithm)
+    digest.update(data)
+    return digest.hexdigest()
 
 
 def entry_digest(entry: dict[str, Any]) -> tuple[str, str] | None:

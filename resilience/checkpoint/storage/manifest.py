@@ -1,7 +1,18 @@
-"""The manifest: the list of every file with its size and digest (xxh3-128), plus run metadata.
+"""The manifest: every file's size and digest (xxh3-128), plus run metadata.
 
 It is written last, after every file is fsync'd, so its presence means "complete". Readers
 trust a checkpoint only after :func:`validate` succeeds.
+
+Format 2 keeps it O(tensors), not O(ranks): ``manifest.json`` lists the files any rank may read
+(a replicated model's and optimizer's files, indexes, the run's records) and the *rank
+manifests*, each holding the *own* files (those only their writer reads back at the same world
+size: rank state, a sharded model's and optimizer's shards) of a block of ranks
+(``rank_manifests/ranks_<first>-<last>.json``, written by the block's first rank), with
+``"rank_blocks": {"world_size": N, "block": B}``. A rank reads the rank manifests of the saved
+ranks it checks (:func:`owned_ranks`: its own at the same world size), each checked against its
+digest in the manifest, so the manifest's chain of digests covers every byte. At 8,192 ranks the
+single list was 34 MiB (FSDP2), read by rank 0 and broadcast to every rank at each resume. Format 1
+manifests (one list) still load.
 """
 
 from __future__ import annotations
@@ -12,23 +23,33 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.layout import MANIFEST, needed_to_resume
-from resilience.checkpoint.storage.durable import FileRecord, entry_digest, file_digest, write_bytes
+from resilience.checkpoint.layout import MANIFEST, needed_to_resume, rank_manifest_file
+from resilience.checkpoint.storage.durable import FileRecord, bytes_digest, entry_digest, file_digest, write_bytes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+RANK_MANIFESTS = "rank_blocks"
+"""The manifest's key of ``{"world_size": N, "block": B}`` (format 2)."""
+OWNED = "owned_files"
+"""A key a rank adds to its own parsed copy of a manifest (never written): the entries of the
+files of the saved ranks it checks (:func:`read_owned`), so the load's digest share finds them."""
 
 
 class CheckpointInvalid(Exception):
     """A checkpoint directory is incomplete or corrupt; the message says which file and why."""
 
 
-def write_manifest(directory: Path, files: list[FileRecord], meta: dict[str, Any]) -> None:
-    """Write ``manifest.json`` (fsync'd) listing ``files`` with ``meta``."""
-    doc = {
+def write_manifest(directory: Path, files: list[FileRecord], meta: dict[str, Any], rank_manifests: dict[str, int] | None = None) -> None:
+    """Write ``manifest.json`` (fsync'd) listing ``files`` (the rank manifests' among them) with
+    ``meta``; ``rank_manifests``: ``{"world_size": N, "block": B}`` when the ranks' own files are in
+    rank manifests (:func:`write_rank_manifest`)."""
+    doc: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "meta": meta,
         "files": {f.path: f.manifest_entry() for f in sorted(files, key=lambda f: f.path)},
     }
+    if rank_manifests is not None:
+        doc[RANK_MANIFESTS] = rank_manifests
     write_bytes(directory / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
 
 
@@ -41,9 +62,112 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointInvalid(f"{directory}: no {MANIFEST} (an incomplete save)") from None
     except (OSError, ValueError) as exc:
         raise CheckpointInvalid(f"{path}: unreadable manifest ({exc})") from exc
-    if not isinstance(doc, dict) or doc.get("format_version") != FORMAT_VERSION or not isinstance(doc.get("files"), dict):
-        raise CheckpointInvalid(f"{path}: not a format-{FORMAT_VERSION} manifest")
+    if not isinstance(doc, dict) or doc.get("format_version") not in READABLE_VERSIONS or not isinstance(doc.get("files"), dict):
+        raise CheckpointInvalid(f"{path}: not a manifest of format {' or '.join(map(str, READABLE_VERSIONS))}")
+    ranks = doc.get(RANK_MANIFESTS)
+    if ranks is not None and not (isinstance(ranks, dict) and all(isinstance(ranks.get(k), int) and ranks[k] > 0 for k in ("world_size", "block"))):
+        raise CheckpointInvalid(f"{path}: {RANK_MANIFESTS} is not {{world_size, block}} ({ranks!r})")
     return doc
+
+
+# Rank manifests (format 2): each block of ranks' own files.
+
+
+def write_rank_manifest(directory: Path, first: int, per_rank: list[list[FileRecord]]) -> FileRecord:
+    """Write the rank manifest of ranks ``first .. first + len(per_rank) - 1`` (``per_rank[i]``:
+    rank ``first + i``'s own files) into ``directory`` (fsync'd); returns its record, which goes
+    into the manifest. Raises ``OSError`` from the write."""
+    rel = rank_manifest_file(first, first + len(per_rank) - 1)
+    doc = {
+        "format_version": FORMAT_VERSION,
+        "ranks": {str(first + i): {f.path: f.manifest_entry() for f in sorted(records, key=lambda f: f.path)} for i, records in enumerate(per_rank)},
+    }
+    data = json.dumps(doc, sort_keys=True).encode()
+    (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+    write_bytes(directory / rel, data)
+    return FileRecord(rel, len(data), bytes_digest(data))
+
+
+def owned_ranks(doc: dict[str, Any], rank: int, world_size: int) -> range:
+    """The saved ranks whose own files rank ``rank`` of ``world_size`` checks: ``rank``,
+    ``rank + world_size``, ... below the saved world size (its own at the same world size; none for
+    a format 1 manifest, whose list holds every file)."""
+    ranks = doc.get(RANK_MANIFESTS)
+    return range(rank, ranks["world_size"], world_size) if ranks else range(0)
+
+
+def read_owned(directory: Path, doc: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """The entries (``{relative path: entry}``) of the own files of the saved ranks rank ``rank``
+    of ``world_size`` checks (:func:`owned_ranks`), from their rank manifests, each read once and
+    checked against its entry in ``doc`` (digest included: they are small).
+
+    Raises:
+        CheckpointInvalid: a rank manifest is missing, of another size or digest than its entry,
+            unreadable, or lacks a rank it should hold.
+    """
+    ranks = doc.get(RANK_MANIFESTS)
+    out: dict[str, Any] = {}
+    blocks: dict[str, dict[str, Any]] = {}
+    for saved in owned_ranks(doc, rank, world_size):
+        first = saved - saved % ranks["block"]
+        rel = rank_manifest_file(first, min(first + ranks["block"], ranks["world_size"]) - 1)
+        if rel not in blocks:
+            blocks[rel] = _read_rank_manifest(directory, rel, doc["files"].get(rel))
+        files = blocks[rel].get(str(saved))
+        if not isinstance(files, dict):
+            raise CheckpointInvalid(f"{directory / rel}: holds no entry for rank {saved}")
+        out.update(files)
+    return out
+
+
+def all_files(directory: Path, doc: dict[str, Any], *, skip_bad: bool = False) -> dict[str, Any]:
+    """Every file's entry: the manifest's list and every rank's own files (reading every rank
+    manifest: O(files), for the command-line tools and a full checksum pass, not for a resume).
+
+    Raises :class:`CheckpointInvalid` as :func:`read_owned`; with ``skip_bad`` a bad rank manifest's
+    files are left out instead (its own entry, in the list, still fails a check of it: ``verify``).
+    """
+    files = dict(doc["files"])
+    ranks = doc.get(RANK_MANIFESTS)
+    for first in range(0, ranks["world_size"], ranks["block"]) if ranks else ():
+        last = min(first + ranks["block"], ranks["world_size"]) - 1
+        rel = rank_manifest_file(first, last)
+        try:
+            block = _read_rank_manifest(directory, rel, doc["files"].get(rel))
+            missing = [r for r in range(first, last + 1) if not isinstance(block.get(str(r)), dict)]
+            if missing:
+                raise CheckpointInvalid(f"{directory / rel}: holds no entry for rank {missing[0]}")
+        except CheckpointInvalid:
+            if skip_bad:
+                continue
+            raise
+        for entries in block.values():
+            files.update(entries)
+    return files
+
+
+def _read_rank_manifest(directory: Path, rel: str, want: Any) -> dict[str, Any]:
+    """Rank manifest ``rel``'s ``{rank: {path: entry}}``, its bytes checked against ``want``."""
+    if not isinstance(want, dict):
+        raise CheckpointInvalid(f"{directory / MANIFEST}: lists no {rel}")
+    try:
+        data = (directory / rel).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointInvalid(f"{directory / rel}: missing") from None
+    except OSError as exc:
+        raise CheckpointInvalid(f"{directory / rel}: unreadable ({exc.strerror})") from exc
+    if len(data) != want.get("size"):
+        raise CheckpointInvalid(f"{directory / rel}: {len(data)} bytes, manifest says {want.get('size')} (truncated?)")
+    digest = entry_digest(want)
+    if digest is None or bytes_digest(data, digest[0]) != digest[1]:
+        raise CheckpointInvalid(f"{directory / rel}: checksum mismatch (corrupted bytes)")
+    try:
+        ranks = json.loads(data)["ranks"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointInvalid(f"{directory / rel}: unreadable rank manifest ({exc})") from exc
+    if not isinstance(ranks, dict):
+        raise CheckpointInvalid(f"{directory / rel}: unreadable rank manifest")
+    return ranks
 
 
 def validate(directory: Path, *, checksums: bool = True, resume: bool = False, sizes: bool = True) -> dict[str, Any]:
@@ -59,7 +183,10 @@ def validate(directory: Path, *, checksums: bool = True, resume: bool = False, s
     if not directory.is_dir():
         raise CheckpointInvalid(f"{directory}: no such checkpoint directory")
     doc = read_manifest(directory)
-    files = resume_files(doc) if resume else doc["files"]
+    if not sizes and not checksums:
+        return doc  # the manifest alone: the rank manifests are read by the ranks that check them
+    every = all_files(directory, doc)
+    files = {rel: want for rel, want in every.items() if needed_to_resume(rel)} if resume else every
     for rel, want in files.items():
         problem = size_problem(directory / rel, want.get("size") if isinstance(want, dict) else want) if sizes else None
         if problem is not None:
@@ -72,7 +199,8 @@ def validate(directory: Path, *, checksums: bool = True, resume: bool = False, s
 
 
 def resume_files(doc: dict[str, Any]) -> dict[str, Any]:
-    """The entries of manifest ``doc`` a resume reads (:func:`~resilience.checkpoint.layout.needed_to_resume`), in its order."""
+    """The entries of manifest ``doc``'s list a resume reads (:func:`~resilience.checkpoint.layout.needed_to_resume`),
+    in its order: with format 2, the files any rank may read, not the ranks' own (:data:`OWNED`)."""
     return {rel: want for rel, want in doc["files"].items() if needed_to_resume(rel)}
 
 
