@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from resilience import ExitCode
-from resilience.checkpoint.storage.manifest import validate
+from resilience.checkpoint.storage.manifest import all_files, validate
 from resilience.state.worker_signals import ShieldedWorkerInit, shield_dataloader_workers
 from runs import compare, latest_name
 from slurm_cluster import pid_alive
@@ -102,7 +102,7 @@ def test_a_signal_to_the_process_group_with_dataloader_workers_saves_the_agreed_
     manifest = validate(ckpt / latest_name(ckpt))
     # The agreement is non-blocking: the stop lands at the step it completes in, the same on every rank.
     assert PAUSE_STEP <= manifest["meta"]["global_step"] < TOTAL_STEPS // 2 and manifest["meta"]["reason"] == "preemption", manifest["meta"]
-    assert {f"rank_state/rank_{r:05d}.safetensors" for r in (0, 1)} <= set(manifest["files"])
+    assert {f"rank_state/rank_{r:05d}.safetensors" for r in (0, 1)} <= set(all_files(ckpt / latest_name(ckpt), manifest))
     _assert_no_worker_left(events, out)
 
     resumed_events = tmp_path / "events2"
