@@ -2,6 +2,7 @@
 
     resilience run -n 2 examples/hf_trainer/train.py                                  # 2 CPU ranks (gloo)
     resilience run -n 2 examples/hf_trainer/train.py checkpoint.checkpoint_dir=/tmp/hf training.num_train_epochs=3
+    python examples/hf_trainer/train.py                                               # one process
 
 A tiny GPT-2 built from a config (byte tokens: no download, no tokenizer) learns the Python
 standard library's sources. ``kill -USR1`` to any rank (or to ``resilience run``) stops every rank
@@ -56,6 +57,8 @@ def build_trainer(cfg, callbacks=()):
 
     model_cfg, data_cfg, training = cfg.extra["model"], cfg.extra["data"], dict(cfg.extra["training"])
     seq_len = int(model_cfg["seq_len"])
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        training.pop("ddp_backend", None)  # one plain process: accelerate would look for a process group
     args = TrainingArguments(output_dir=cfg.checkpoint.checkpoint_dir, **training)  # output_dir: our checkpoint root
     torch.manual_seed(args.seed)  # the initial weights: the same on every rank and every start
     config = GPT2Config(
