@@ -9,6 +9,7 @@ import signal
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from resilience import ExitCode
 from resilience.checkpoint.layout import LATEST, LOWEST_VAL, list_checkpoints
@@ -31,13 +32,14 @@ class Windows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _trainer(output_dir, **args):
+def _trainer(output_dir, callbacks=(), **args):
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=None, eos_token_id=None))
     defaults = {"per_device_train_batch_size": 2, "use_cpu": True, "report_to": [], "disable_tqdm": True, "save_strategy": "no"}
-    return Trainer(model=model, args=TrainingArguments(output_dir=str(output_dir), **{**defaults, **args}), train_dataset=Windows(12), eval_dataset=Windows(4))
+    args = TrainingArguments(output_dir=str(output_dir), **{**defaults, **args})
+    return Trainer(model=model, args=args, train_dataset=Windows(12), eval_dataset=Windows(4), callbacks=list(callbacks))
 
 
 @pytest.mark.timeout(120)
@@ -52,6 +54,24 @@ def test_the_trainers_save_steps_and_save_total_limit_go_through_our_atomic_path
     reasons = [validate(out / name)["meta"]["reason"] for name in kept[:2]]
     assert reasons == ["final", "periodic"] and os.readlink(out / LATEST) == "epoch_0_step_5"
     assert trainer._save_checkpoint.__func__ is type(trainer)._save_checkpoint  # the Trainer's own again after train()
+
+
+@pytest.mark.timeout(120)
+def test_early_stopping_ends_with_a_final_save_and_the_best_model_loads_from_our_checkpoint(tmp_path):
+    from transformers import EarlyStoppingCallback
+
+    out = tmp_path / "out"
+    stop_early = EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=10.0)  # no eval improves by 10
+    # lr 3: the second evaluation is worse than the first, so the best checkpoint is an older one
+    every_2 = {"eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2}
+    trainer = _trainer(out, [stop_early], max_steps=6, load_best_model_at_end=True, learning_rate=3.0, **every_2)
+    assert train(trainer, {"step_scheduler": {"agreement_every_steps": 1}}) == ExitCode.DONE
+    assert os.readlink(out / LATEST) == "epoch_0_step_4" and validate(out / "epoch_0_step_4")["meta"]["reason"] == "final"
+    best = out.absolute() / f"epoch_0_step_{trainer.state.best_global_step}"  # where the Trainer's own checkpoint-<N> would be
+    assert trainer.state.best_model_checkpoint == str(best) and trainer.state.best_global_step == 2
+    saved, last = load_file(best / "model.safetensors"), load_file(out / "epoch_0_step_4" / "model.safetensors")
+    assert all(torch.equal(trainer.model.state_dict()[key], tensor) for key, tensor in saved.items())  # load_best_model_at_end read it
+    assert not all(torch.equal(last[key], tensor) for key, tensor in saved.items())
 
 
 @pytest.mark.parametrize(

@@ -82,14 +82,15 @@ class ResilienceCallback(TrainerCallback):
             control.should_save = wanted
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        """The save deferred to the epoch's end; after a stop saved mid-epoch, nothing more runs. When
-        another callback ended training (early stopping), its last step is saved as the final one."""
-        if self._save_at_epoch_end:
-            control.should_save, self._save_at_epoch_end = True, False
-        elif self.stopped_at is not None:
-            control.should_save = control.should_evaluate = control.should_log = False
-        elif control.should_training_stop and self.session.last_saved_step != state.global_step:
-            control.should_save = True
+        """The save deferred to the epoch's end. After a stop saved mid-epoch nothing more runs (its
+        epoch did not end). A step that ends training unsaved is saved now: another callback ended
+        training (early stopping: the final save), or cancelled the stop's save in the step."""
+        stopped_mid_epoch = self.stopped_at is not None and not self._save_at_epoch_end
+        if stopped_mid_epoch:
+            control.should_evaluate = control.should_log = False
+        unsaved = self.session.saving and self.session.last_saved_step != state.global_step
+        control.should_save = self._save_at_epoch_end or (unsaved and control.should_training_stop) or (control.should_save and not stopped_mid_epoch)
+        self._save_at_epoch_end = False
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         """Record the eval metric ``LOWEST_VAL`` follows (``settings.metric_key``) for this step's checkpoint."""
