@@ -3,7 +3,7 @@
 Shared runners and readers live next to this file as importable modules (``tiny_runs``,
 ``sample_runs``, ``worker_runs``, ``slurm_cluster``); the scripts that tests run as ranks live in
 ``helpers/``. Test files sit in a folder per package part (``checkpoint/``, ``config/``, ``launch/``,
-``stop/``, ``state/``, ``cli/``, ``slurm/``) plus ``e2e/``.
+``stop/``, ``state/``, ``cli/``, ``slurm/``, ``integrations/``) plus ``e2e/``.
 """
 
 import os

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HELPER = Path(__file__).resolve().parent / "helpers" / "worker_train.py"
@@ -50,3 +51,24 @@ def run_to_end(ckpt: Path, events: Path, env: dict) -> tuple[int, str]:
     """A run left alone until it exits: (exit code, output)."""
     events.mkdir(parents=True)
     return finish(launch_run(ckpt, events, env, events / "pids"))
+
+
+def signal_while_paused(proc: subprocess.Popen, events: Path, *, rank: int | None = 1, sig: int = signal.SIGUSR1, timeout: float = 90) -> tuple[int, str]:
+    """For a ``resilience run -n 2 --pid-file EVENTS/pids`` start whose ranks pause at a step
+    (``EVENTS/paused_<r>``, until ``EVENTS/release``): once both wait there, send ``sig`` to rank
+    ``rank`` (``None``: to ``resilience run`` itself), let them go on, then :func:`finish` it. The
+    process group is killed if anything fails on the way."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not all((events / f"paused_{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[1]
+            time.sleep(0.02)
+        ranks = dict(line.split()[1:] for line in (events / "pids").read_text().splitlines() if line.startswith("rank "))
+        os.kill(proc.pid if rank is None else int(ranks[str(rank)]), sig)
+        time.sleep(0.3)  # the signal is in (and forwarded) before the ranks go on
+        (events / "release").touch()
+        return finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

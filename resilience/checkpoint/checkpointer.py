@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +23,7 @@ from resilience.checkpoint.loading import Restored
 from resilience.checkpoint.parts import Part, checkpoint_parts, epoch_of
 from resilience.checkpoint.policy import retention
 from resilience.checkpoint.policy.lowest_val import LowestVal, json_safe, select_metric
+from resilience.checkpoint.policy.root_dir import root_problem
 from resilience.checkpoint.policy.savable import check_savable
 from resilience.checkpoint.policy.world_size import world_size_problem
 from resilience.checkpoint.resume import Resuming
@@ -63,6 +63,11 @@ class Checkpointer(Resuming):
     ``run_id`` (the environment's: ``RESILIENCE_RUN_ID`` or the Slurm job's; see :meth:`_run_id`).
     A save is then just ``save(reason)``.
 
+    A trainer that writes its own checkpoint files (a trainer integration,
+    :mod:`resilience.integrations.session`) registers no objects (``state=None``) and hands each
+    save its files as ``save(reason, parts=..., meta=...)``: the same staging, fsync, digests,
+    manifest, ``LATEST``, ``LOWEST_VAL``, retention and lineage, around files written by its code.
+
     With ``config.is_async`` a save takes a snapshot (model and optimizer tensors copied into
     reused host buffers; RNG, data position, counters captured) and returns; a background thread
     writes, fsyncs and publishes it, with its collectives on a gloo group of its own (creating
@@ -76,7 +81,7 @@ class Checkpointer(Resuming):
         config: CheckpointConfig,
         ctx: DistContext,
         *,
-        state: TrainingState,
+        state: TrainingState | None,
         scheduler: StepScheduler,
         timer: RunTimer | None = None,
         global_batch_size: int | None = None,
@@ -121,7 +126,8 @@ class Checkpointer(Resuming):
         self._optim_cache = LayoutCache(enabled=config.save_global_layout_cache)
         """The same for a sharded optimizer state's pieces (optim_shards.py)."""
         self._check_root()
-        check_savable(config, state.model, ctx)  # a model the format cannot save: refused before training
+        if state is not None:
+            check_savable(config, state.model, ctx)  # a model the format cannot save: refused before training
         if config.is_async and config.enabled and config.enable_save:
             self._async = AsyncWriter()
             self._async_ctx = DistContext.from_env(timeout_s=config.async_timeout_s) if ctx.distributed else ctx
@@ -146,7 +152,7 @@ class Checkpointer(Resuming):
             return
         problem = resized = None
         if self.ctx.rank == 0:
-            problem = _root_problem(self.root, saving=self.config.enable_save)
+            problem = root_problem(self.root, saving=self.config.enable_save)
             resized = None if problem else (self.missing_source() or world_size_problem(self.config, self.root, self.ctx.world_size))
         if self.ctx.distributed:
             problem, resized = self.ctx.broadcast_object((problem, resized))
@@ -169,9 +175,14 @@ class Checkpointer(Resuming):
         return chosen
 
     # -- save ---------------------------------------------------------------------------------
-    def save(self, reason: SaveReason = "periodic") -> Path | None:
+    def save(self, reason: SaveReason = "periodic", *, parts: list[Part] | None = None, meta: dict[str, Any] | None = None) -> Path | None:
         """Checkpoint the registered state at the registered scheduler's step; returns the directory
         it is (or, async, will be) published as.
+
+        ``parts``: this save's pieces instead of the registered state's, for a caller whose own code
+        writes its files (:func:`~resilience.checkpoint.parts.external_parts`; synchronous saves
+        only). ``meta``: entries added to the manifest's ``meta`` (they replace computed ones of the
+        same key, e.g. ``epoch_complete``).
 
         Synchronous: returns once it is published. Asynchronous: waits for the save in flight,
         takes a snapshot and returns; training may then change every object at once.
@@ -182,14 +193,19 @@ class Checkpointer(Resuming):
             CheckpointSaveError: on every rank when any rank failed (for an asynchronous save: at
                 the next ``save``, ``wait`` or ``close``); ``LATEST`` is unchanged.
             AsyncSaveTimeout: the previous asynchronous save did not finish in time.
+            ValueError: ``parts`` with ``checkpoint.is_async``, or neither ``parts`` nor a registered state.
             KeyboardInterrupt: a SIGINT arrived during the save: after it returned, or at once for a second one.
         """
         if not self.config.enabled or not self.config.enable_save:
             return None
+        if parts is not None and self._async is not None:
+            raise ValueError("Checkpointer.save(parts=...): the caller's files are written while it waits; checkpoint.is_async cannot snapshot them")
+        if parts is None and self.state is None:
+            raise ValueError("Checkpointer.save(): no state registered (state=None); pass this save's parts")
         with HeldInterrupt():
-            return self._save(reason)
+            return self._save(reason, parts, meta or {})
 
-    def _save(self, reason: SaveReason) -> Path | None:
+    def _save(self, reason: SaveReason, parts: list[Part] | None, extra_meta: dict[str, Any]) -> Path | None:
         self.wait()  # at most one save in flight; raises its failure here, on every rank
         if self.ctx.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -209,12 +225,13 @@ class Checkpointer(Resuming):
             "data_parallel_replicas": list(self.data_parallel.replicas) if self.data_parallel else None,  # by rank
             # batches_in_epoch counts micro-batches: a resume under another batch size needs both
             "gradient_accumulation_steps": int(self.run_config.get("step_scheduler", {}).get("gradient_accumulation_steps") or 1),
-            "epoch_complete": epoch_complete(state.dataloader, scheduler.batches_in_epoch),
-            "optimizer_saved": state.optimizer is not None and not self.config.no_save_optim,
+            "epoch_complete": state is not None and epoch_complete(state.dataloader, scheduler.batches_in_epoch),
+            "optimizer_saved": state is not None and state.optimizer is not None and not self.config.no_save_optim,
             "is_async": self._async is not None,
             "timings": self.timer.as_dict() if self.timer is not None else {},
             "checkpoint_id": uuid.uuid4().hex,
             "parent": self.parent,
+            **extra_meta,
         }
         self.parent = {"name": name, "checkpoint_id": meta["checkpoint_id"]}
         value = None
@@ -222,7 +239,8 @@ class Checkpointer(Resuming):
             key, value = select_metric(self.validation[step], self.config.best_metric_key)
             meta["val_metrics"] = json_safe(self.validation[step])
             meta["val_metric"] = {"key": key, "value": value}
-        parts = self._parts(reason, snapshot=self._async is not None)
+        if parts is None:
+            parts = self._parts(reason, snapshot=self._async is not None)
         self.last_saved_step, self.last_saved_reason = step, reason
         self.training_rows = [row for row in self.training_rows if row.get("global_step", 0) > step]
         self.validation = {s: m for s, m in self.validation.items() if s > step}
@@ -365,28 +383,3 @@ class Checkpointer(Resuming):
             layout_cache=self._layout_cache,
             optim_cache=self._optim_cache,
         )
-
-
-def _root_problem(root: Path, *, saving: bool) -> str | None:
-    """Why ``root`` cannot be the checkpoint directory, or ``None`` (see ``Checkpointer._check_root``)."""
-    existing = root
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent  # the nearest existing ancestor: the first save creates the rest
-    if not existing.is_dir():
-        return f"{existing} is a file, not a directory" if existing == root else f"{existing}, a parent of it, is a file"
-    if not saving:
-        return None  # reading only: a directory that does not exist yet just holds no checkpoint
-    # A real attempt (mode bits, ACLs, read-only mounts and root squashing all answer it), undone
-    # at once: a file in the directory, or the first missing directory under its nearest ancestor.
-    probe = existing / f".write_probe.{os.getpid()}"
-    try:
-        if existing == root:
-            probe.write_bytes(b"")
-            probe.unlink()
-        else:
-            probe.mkdir()
-            probe.rmdir()
-    except OSError as exc:
-        what = "write in" if existing == root else "create directories in"
-        return f"cannot {what} {existing} ({exc.strerror or exc})"
-    return None

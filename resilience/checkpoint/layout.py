@@ -51,6 +51,11 @@ names from here only, so this tree is the whole layout::
       .trash_epoch_1_step_40/             TRASH_PREFIX: the checkpoint a re-save of its step replaces
       .pruning_epoch_0_step_4/            PRUNING_PREFIX: a checkpoint retention is removing
 
+A checkpoint a trainer integration saved (:mod:`resilience.integrations.session`) holds that
+trainer's own files instead (a Hugging Face ``Trainer``'s ``model.safetensors``, ``optimizer.pt``,
+``trainer_state.json``, ...), plus ``MANIFEST`` and ``CONFIG``; its manifest's ``meta.producer`` names
+the trainer. Everything at the root is the same.
+
 A pointer's text form is ``<name>`` + ``POINTER_SUFFIX`` (``LATEST.txt``); tensors are in
 ``SAFETENSORS_SUFFIX`` files. Directory names (``model``, ``optim``, ``rng``, ...) double as the
 labels of a save's parts, which are spelled where the parts are built. The rank state was two

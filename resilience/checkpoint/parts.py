@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -142,6 +142,35 @@ def checkpoint_parts(
     if buffers is not None:
         buffers.synchronize()
     return parts
+
+
+def external_parts(write: Callable[[Path], Iterable[str | os.PathLike[str]]], *, rank: int, run_config: dict[str, Any] | None) -> list[Part]:
+    """The parts of a save whose files a trainer's own code writes (a trainer integration,
+    :mod:`resilience.integrations.session`): one collective part, run on every rank in the main
+    thread, that calls ``write(staging_dir)`` and takes the files it returns as this rank's
+    (paths relative to ``staging_dir``, or absolute ones inside it; each is fsync'd and digested
+    after ``write`` returns, as files written by a library that hides its bytes). Every file must
+    be returned by exactly one rank: the one that wrote it. With ``run_config`` (rank 0) the
+    part then writes ``config.yaml``, the run's configuration, which ``resilience advise`` reads."""
+    text = yaml.safe_dump(run_config, sort_keys=False) if run_config is not None else None
+    return [Part("external", _write_external, (write, text), by="all ranks")]
+
+
+def _write_external(directory: Path, write: Callable[[Path], Iterable[str | os.PathLike[str]]], config_text: str | None) -> list[str]:
+    """Run the trainer's ``write`` into ``directory``; its files (relative paths), then ``config.yaml``.
+
+    Raises:
+        ValueError: ``write`` returned a path outside ``directory``, or ``config.yaml`` (ours).
+    """
+    written = []
+    for path in write(directory):
+        rel = os.path.relpath(path, directory) if os.path.isabs(path) else os.fspath(path)
+        if rel.startswith(os.pardir) or rel == CONFIG:
+            raise ValueError(f"the trainer's checkpoint writer returned {os.fspath(path)!r}: not a file of its own inside {directory}")
+        written.append(rel)
+    if config_text is not None:
+        written += _write_text(directory, CONFIG, config_text)
+    return written
 
 
 def epoch_of(scheduler: StepScheduler) -> int:

@@ -42,6 +42,11 @@ class Resuming:
     global_batch_size: int | None
     data_parallel: DataParallel | None
     _chosen_manifest: tuple[Path | None, dict[str, Any] | None]
+    verify_choice: bool = False
+    """Digest every file of the checkpoint chosen to resume from before it is returned (a
+    fallback to an older one when they differ); False: sizes only, the bytes being checked while
+    :meth:`load` reads them. True for a trainer integration, whose trainer loads the files itself
+    (:meth:`adopt`, :mod:`resilience.integrations.session`)."""
 
     def missing_source(self) -> str | None:
         """Why ``restore_from`` or ``load_path`` cannot be loaded because it names no existing path,
@@ -110,9 +115,9 @@ class Resuming:
             remove_leftovers(self.root)
         self.resume_source = None
         if self.config.restore_from is not None and not self._continues_restore_from():
-            (found, manifest), source = find_resume_point(self.ctx, self.root, self.config.restore_from, checksums=False), "restore_from"
+            (found, manifest), source = find_resume_point(self.ctx, self.root, self.config.restore_from, checksums=self.verify_choice), "restore_from"
         else:
-            found, manifest = find_resume_point(self.ctx, self.root, None, checksums=False) if self.config.resume else (None, None)
+            found, manifest = find_resume_point(self.ctx, self.root, None, checksums=self.verify_choice) if self.config.resume else (None, None)
             source = "latest"
             # MindSpore's load_path: only while checkpoint_dir has nothing of its own, so a
             # requeued run continues from its own LATEST instead of loading load_path again.
@@ -151,8 +156,8 @@ class Resuming:
         """``load_path`` as a checkpoint directory, or as a root whose ``LATEST`` (with fallback) is followed."""
         path = Path(self.config.load_path).absolute()
         if (path / MANIFEST).exists() or parse_checkpoint_name(path.name):
-            return find_resume_point(self.ctx, self.root, str(path), key="checkpoint.load_path", checksums=False)
-        found = find_resume_point(self.ctx, path, None, checksums=False)
+            return find_resume_point(self.ctx, self.root, str(path), key="checkpoint.load_path", checksums=self.verify_choice)
+        found = find_resume_point(self.ctx, path, None, checksums=self.verify_choice)
         if found[0] is None:
             raise CheckpointNotFound(
                 f"checkpoint.load_path={self.config.load_path!r}: no valid checkpoint there (neither a checkpoint "
@@ -185,13 +190,34 @@ class Resuming:
         with checking_while_loading(self.ctx, directory, manifest, inline=inline, balanced=balanced) as check:
             restored = load_state(directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check, data_parallel=self.data_parallel)
         if not weights_only:
-            if self.ctx.rank == 0 and self.resume_source != "load_path":
-                self.lowest_val.reload()  # the best so far survives the restart
-            self.last_saved_step, self.last_saved_reason = restored.meta["global_step"], restored.meta.get("reason")
-            self.parent = parent_ref(directory, restored.meta, self.root)
-            if self.resume_source != "load_path":
-                self._resumed_run_id = restored.meta.get("run_id")
+            self._continue_from(directory, restored.meta)
         return restored
+
+    def adopt(self, directory: Path) -> dict[str, Any]:
+        """Continue from ``directory``, the choice of :meth:`find_resume_point`, whose files the
+        caller's own trainer loads (a trainer integration): what :meth:`load` records besides the
+        state (``LOWEST_VAL`` reloaded, the step last saved, the lineage parent, the run id).
+        Returns its manifest's meta. Rank 0 reads the manifest again only for a directory that
+        did not come from :meth:`find_resume_point`.
+
+        Raises:
+            CheckpointInvalid: ``directory`` has no readable manifest.
+        """
+        chosen, manifest = self._chosen_manifest
+        if chosen != directory or manifest is None:
+            manifest = read_manifest(directory)
+        meta = manifest.get("meta") or {}
+        self._continue_from(directory, meta)
+        return meta
+
+    def _continue_from(self, directory: Path, meta: dict[str, Any]) -> None:
+        """Record that the next save continues ``directory`` (its manifest ``meta``)."""
+        if self.ctx.rank == 0 and self.resume_source != "load_path":
+            self.lowest_val.reload()  # the best so far survives the restart
+        self.last_saved_step, self.last_saved_reason = meta["global_step"], meta.get("reason")
+        self.parent = parent_ref(directory, meta, self.root)
+        if self.resume_source != "load_path":
+            self._resumed_run_id = meta.get("run_id")
 
     @staticmethod
     def restore_rng(restored: Restored) -> None:

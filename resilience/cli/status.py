@@ -84,9 +84,24 @@ def _check(path: Path, deep: bool) -> tuple[str, str | None, dict[str, Any]]:
 def _model_info(path: Path) -> dict[str, Any]:
     """What ``path/model/`` holds, from its file names: ``model_format`` (``safetensors``,
     ``torch_save`` or None), ``model_weights`` (``full``, ``adapters`` for a PEFT model, or None)
-    and ``hf_bundle`` (True when ``model/consolidated/`` has a Hugging Face index)."""
-    from resilience.checkpoint.layout import ADAPTER_WEIGHTS, CONSOLIDATED, DCP_METADATA, DCP_SUFFIX, HF_INDEX, MODEL_DIR, SAFETENSORS_SUFFIX, SHARD_INDEX
+    and ``hf_bundle`` (True when ``model/consolidated/`` has a Hugging Face index). A checkpoint a
+    trainer wrote in its own layout (a Hugging Face ``Trainer``'s: ``model.safetensors`` or its
+    index at the top) is itself a Hugging Face directory: ``safetensors full``, ``hf_bundle`` True."""
+    from resilience.checkpoint.layout import (
+        ADAPTER_WEIGHTS,
+        CONSOLIDATED,
+        DCP_METADATA,
+        DCP_SUFFIX,
+        HF_INDEX,
+        HF_SINGLE_FILE,
+        MODEL_DIR,
+        SAFETENSORS_SUFFIX,
+        SHARD_INDEX,
+    )
 
+    if not (path / MODEL_DIR).is_dir() and any((path / name).is_file() for name in (HF_SINGLE_FILE, HF_INDEX, ADAPTER_WEIGHTS)):
+        weights = "adapters" if (path / ADAPTER_WEIGHTS).is_file() else "full"
+        return {"model_format": "safetensors", "model_weights": weights, "hf_bundle": True}
     model = path / MODEL_DIR
     try:
         names = set(os.listdir(model))
@@ -187,6 +202,7 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
             "world_size": None,
             **_model_info(path),
             "run_id": None,
+            "producer": None,
             "val_metric": None,
             "marked_bad": None,
             "pointers": [],
@@ -211,7 +227,7 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
         entry["problem"] = _relative(problem, root) if problem else None
         entry["saved_at_unix"] = meta.get("saved_at") if iso_utc(meta.get("saved_at")) else None
         entry["saved_at"] = iso_utc(meta.get("saved_at"))
-        for key in ("reason", "world_size", "run_id", "val_metric"):
+        for key in ("reason", "world_size", "run_id", "val_metric", "producer"):
             entry[key] = meta.get(key)
         entries.append(entry)
     kinds = {"checkpoint": 0, "abandoned": 1, "trash": 2, "staging": 3}

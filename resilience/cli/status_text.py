@@ -63,6 +63,13 @@ def format_status(doc: dict[str, Any]) -> str:
             for e in doc["checkpoints"]
         ]
         lines += _table(["NAME", "STEP", "EPOCH", "SAVED (UTC)", "SIZE", "STATE", "RANKS", "MODEL", "POINTERS", "VAL METRIC"], rows, right={1, 2, 4, 6})
+        producers: dict[str, list[str]] = {}
+        for e in doc["checkpoints"]:
+            if e.get("producer"):
+                producers.setdefault(e["producer"], []).append(e["name"])
+        for producer, names in producers.items():
+            count = f"{len(names)} checkpoint{'s' if len(names) != 1 else ''}"
+            lines.append(f"Written by {producer} ({count}): its own checkpoint files with our manifest, resumed by its integration (resilience.integrations)")
         problems = []
         for e in doc["checkpoints"]:
             if e["marked_bad"] is not None:

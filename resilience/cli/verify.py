@@ -103,7 +103,8 @@ def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: s
     the checkpoint was published (``model/consolidate.sh``) is checked against its own
     ``bundle_manifest.json``; one without it is reported as unverified (not a failure). Returns
     ``{"name", "ok", "files_checked", "bytes_checked", "failures": [{"file", "problem"}],
-    "marked_bad", "bundle"}`` (``bundle``: None, ``removed``, ``verified``, ``unverified`` or ``failed``).
+    "marked_bad", "bundle", "producer"}`` (``bundle``: None, ``removed``, ``verified``, ``unverified`` or
+    ``failed``; ``producer``: ``meta.producer``, the trainer whose own files a trainer integration saved).
     """
     result: dict[str, Any] = {
         "name": directory.name,
@@ -113,10 +114,13 @@ def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: s
         "failures": [],
         "marked_bad": first_line(directory / BAD_MARKER) if (directory / BAD_MARKER).exists() else None,
         "bundle": None,
+        "producer": None,
     }
     if manifest is None:
         result["failures"].append({"file": MANIFEST, "problem": error or "unreadable"})
     else:
+        meta = manifest.get("meta")
+        result["producer"] = meta.get("producer") if isinstance(meta, dict) else None  # a trainer's own layout (an integration's)
         state, files, problem = _bundle(directory, manifest)
         # A bundle removed or built again since the save is checked by its own manifest, if at all.
         own = {rel: want for rel, want in manifest["files"].items() if state is None or needed_to_resume(rel)}
@@ -169,6 +173,7 @@ def format_verify(doc: dict[str, Any]) -> str:
     lines = []
     for r in doc["checkpoints"]:
         note = f" (marked bad: {r['marked_bad']})" if r["marked_bad"] is not None else ""
+        note += f" (written by {r['producer']})" if r.get("producer") else ""
         if r["ok"]:
             lines.append(f"{r['name']}: ok, {r['files_checked']} files{note}")
         else:

@@ -12,10 +12,8 @@ sampler's generator has moved on by then, which torchdata's state leaves out und
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ import pytest
 from resilience import ExitCode
 from resilience.checkpoint.storage.manifest import validate
 from runs import compare, latest_name
-from worker_runs import finish
+from worker_runs import finish, signal_while_paused
 
 pytestmark = pytest.mark.multiproc
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "accelerate_train.py"
@@ -41,21 +39,7 @@ def _start(ckpt: Path, events: Path, stateful: bool, pause: int = 0) -> tuple[su
 
 def _preempt_at_pause(ckpt: Path, events: Path, stateful: bool) -> tuple[int, str]:
     """A run paused in step ``PAUSE_STEP`` on every rank while USR1 goes to rank 1 alone."""
-    proc, pid_file = _start(ckpt, events, stateful, pause=PAUSE_STEP)
-    try:
-        deadline = time.monotonic() + 90
-        while not all((events / f"paused_{r}").exists() for r in (0, 1)):
-            assert proc.poll() is None and time.monotonic() < deadline, finish(proc)[1]
-            time.sleep(0.02)
-        ranks = dict(line.split()[1:] for line in pid_file.read_text().splitlines() if line.startswith("rank "))
-        os.kill(int(ranks["1"]), signal.SIGUSR1)
-        time.sleep(0.3)  # the signal is in before the ranks go on
-        (events / "release").touch()
-        return finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return signal_while_paused(_start(ckpt, events, stateful, pause=PAUSE_STEP)[0], events)
 
 
 @pytest.fixture(scope="module")

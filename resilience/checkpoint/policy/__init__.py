@@ -1,1 +1,1 @@
-"""Decisions over the set of checkpoints: retention, LOWEST_VAL, timelines, the world-size policy and the requeue-loop guard."""
+"""Decisions over the set of checkpoints: retention, LOWEST_VAL, timelines, the world-size policy, the requeue-loop guard, the root's check."""
