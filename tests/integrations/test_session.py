@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from resilience import ExitCode
-from resilience.checkpoint.layout import CONFIG, LATEST, STARTS_FILE
+from resilience.checkpoint.layout import CONFIG, LATEST, STARTS_FILE, rank_manifest_file
 from resilience.checkpoint.storage.manifest import validate
 from resilience.checkpoint.writer import CheckpointSaveError
 from resilience.config import ConfigError
@@ -49,7 +49,7 @@ def test_a_signal_stops_at_the_step_end_and_the_trainers_files_are_published_and
         assert session.finish(stopped_at=2) == ExitCode.PREEMPTED
     assert saved == root.absolute() / "epoch_0_step_2" and os.readlink(root / LATEST) == "epoch_0_step_2"
     doc = validate(saved)  # sizes and digests of every file
-    assert sorted(doc["files"]) == sorted([CONFIG, "weights.bin", "state/trainer.json"])
+    assert sorted(doc["files"]) == sorted([CONFIG, "weights.bin", "state/trainer.json", rank_manifest_file(0, 0)])  # no own files: an empty rank manifest
     assert doc["meta"]["producer"] == "toy.Trainer" and doc["meta"]["reason"] == "preemption" and doc["meta"]["extra"] == 1
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the handler is gone with the session
 
