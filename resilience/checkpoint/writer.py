@@ -39,16 +39,19 @@ from resilience.checkpoint.storage.durable import FileRecord, fsync_dir, fsync_f
 from resilience.checkpoint.storage.manifest import write_manifest
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer, write_pointer
 from resilience.distributed import DistContext
+from resilience.sharded_types import loaded_class
 
 if TYPE_CHECKING:  # parts.py builds the parts; the writer only runs them
     from resilience.checkpoint.parts import Part
 
-try:  # DCP's CheckpointException derives from BaseException, not Exception
-    from torch.distributed.checkpoint.api import CheckpointException as _DCPError
-except ImportError:  # pragma: no cover - torch without DCP
-    _DCPError = Exception
-SAVE_FAILURES = (Exception, _DCPError)
-"""What a save step catches and hands to every rank (DCP's error is a ``BaseException``)."""
+
+def save_failures() -> tuple[type[BaseException], ...]:
+    """What a save step catches and hands to every rank: ``Exception``, and DCP's
+    ``CheckpointException`` (a ``BaseException``) once DCP is imported (it cannot be raised before).
+    Called in the ``except`` clause, so it is looked up when an exception is handled."""
+    dcp_error = loaded_class("torch.distributed.checkpoint.api", "CheckpointException")
+    return (Exception, dcp_error) if dcp_error is not None else (Exception,)
+
 
 log = logging.getLogger("resilience.checkpoint")
 
@@ -104,7 +107,7 @@ def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part])
             if staging.exists():
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
-        except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+        except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
             error = describe_failure(exc)
     ctx.gather_or_raise(error, fail=_failed(name, "creating the staging directory"))
 
@@ -141,7 +144,7 @@ def publish(root: Path, name: str, records: list[FileRecord], meta: dict[str, An
         _rename_into_place(root, staging, final, parent=meta.get("parent"))
         phase("pointer")
         write_pointer(root, LATEST, final)
-    except SAVE_FAILURES:
+    except save_failures():
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return final
@@ -189,7 +192,7 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
         try:
             try:
                 phase("parts")
-            except SAVE_FAILURES as exc:
+            except save_failures() as exc:
                 if stop_at_error:
                     raise
                 error = error or f"{part.name}: {describe_failure(exc)}"
@@ -199,7 +202,7 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
                 else:  # written by a library that hides its bytes: fsync, then read back
                     fsync_file(staging / written)
                     records.append(record(staging, written))
-        except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+        except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
             error = error or f"{part.name}: {describe_failure(exc)}"
     return records, error
 
