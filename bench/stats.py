@@ -136,3 +136,46 @@ def controlled_overhead(rows: Sequence[dict[str, float]], treated: str, *, contr
     out["raw"] = {k: v for k, v in paired_overhead(t, b, **kw).items() if k != "pair_fractions"}
     out["aa"] = {k: v for k, v in paired_overhead(c, b, **kw).items() if k != "pair_fractions"} if has_control else None
     return out
+
+
+def mean_interval(values: Sequence[float], *, block: int | None = None, resamples: int = 4000, seed: int = 0, confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """Mean of ``values`` (a series in time order: chunks of consecutive step boundaries) with the
+    percentile moving-block bootstrap interval of the mean (runs of ``block`` consecutive values,
+    default :func:`block_length`, resampled together: a burst of the machine spanning several
+    chunks is one piece of evidence, not several), ``resamples`` draws, seeded. Returns
+    ``{"mean", "ci_low", "ci_high", "confidence", "n", "block"}``; no interval below 2 values."""
+    n = len(values)
+    block = min(block_length(n) if block is None else max(1, block), max(1, n))
+    out: dict[str, Any] = {"mean": math.fsum(values) / n if n else None, "ci_low": None, "ci_high": None, "confidence": None, "n": n, "block": block}
+    if n < 2:
+        return out
+    rng = random.Random(seed)
+    runs = math.ceil(n / block)
+    draws = []
+    for _ in range(resamples):
+        idx = [start + j for start in (rng.randrange(n - block + 1) for _ in range(runs)) for j in range(block)][:n]
+        draws.append(math.fsum(values[i] for i in idx) / n)
+    draws.sort()
+    tail = (1 - confidence) / 2
+    out.update(ci_low=draws[int(tail * resamples)], ci_high=draws[min(resamples - 1, int((1 - tail) * resamples))], confidence=confidence)
+    return out
+
+
+def cost_fraction(costs: Sequence[float], steps: Sequence[float], *, extra: float = 0.0, **kw: Any) -> dict[str, Any]:
+    """A per-step cost over the median step: ``mean(costs) / median(steps) + extra``.
+
+    ``costs``: seconds per step boundary, one value per chunk of consecutive boundaries (time
+    order); ``steps``: every step's time (s) in the same run; ``extra``: a fraction added as is
+    (measured elsewhere, without an interval). The interval combines the mean's block-bootstrap
+    interval (:func:`mean_interval`, ``kw``) with the median step's order-statistic interval
+    (:func:`median_interval`), the wide way round: ``[cost_low / step_high, cost_high / step_low]``.
+    Returns ``{"value", "ci_low", "ci_high", "confidence", "cost_s", "step_s"}`` (the two intervals)."""
+    cost, step = mean_interval(costs, **kw), median_interval(steps)
+    step_s = {k: v for k, v in step.items() if k != "rounds"}  # not every step's time
+    out: dict[str, Any] = {"value": None, "ci_low": None, "ci_high": None, "confidence": None, "cost_s": cost, "step_s": step_s}
+    if cost["mean"] is None or not step["median"]:
+        return out
+    out["value"] = cost["mean"] / step["median"] + extra
+    if cost["ci_low"] is not None and step["ci_low"]:
+        out.update(ci_low=cost["ci_low"] / step["ci_high"] + extra, ci_high=cost["ci_high"] / step["ci_low"] + extra, confidence=cost["confidence"])
+    return out
