@@ -47,6 +47,7 @@ def bench_agreement(
     ab_max_s: float = 0.0,
     direct_calls: int = 3000,
     direct_chunk: int = 50,
+    direct_interval_s: float = 0.1,
 ) -> dict[str, Any]:
     """Run :mod:`bench.ddp_worker` on 2 ranks and summarise its blocks.
 
@@ -92,6 +93,8 @@ def bench_agreement(
         str(direct_calls),
         "--direct-chunk",
         str(direct_chunk),
+        "--direct-interval-s",
+        str(direct_interval_s),
     ]
     with launch(cmd, 2, env=rank_env(), failure_grace_s=5.0) as group:
         code, stalls, launcher = _wait_watched(group, timeout_s)

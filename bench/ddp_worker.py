@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--direct-calls", type=int, default=3000, help="timed boundary calls per measurement of bench.direct_cost (0: none)")
     parser.add_argument("--direct-chunk", type=int, default=50, help="boundaries per chunk of bench.direct_cost")
+    parser.add_argument("--direct-interval-s", type=float, default=AUTO_INTERVAL_S, help="bench.direct_cost's agreement_interval_s (default: the library's)")
     parser.add_argument("--latency-trials", type=int, default=5)
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--ckpt-dir", required=True)
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.direct_calls > 0:
         from bench.direct_cost import direct_phase
 
-        direct = direct_phase(run, rank, counter, calls=args.direct_calls, chunk=args.direct_chunk)
+        direct = direct_phase(run, rank, counter, calls=args.direct_calls, chunk=args.direct_chunk, interval_s=args.direct_interval_s)
 
     # -- stop latency: os.kill of rank `world - 1` by rank 0, at a random moment ---------------
     pids = [None] * world

@@ -18,11 +18,19 @@ DDP step runs as in a real loop and each boundary call is timed on the training 
 * the same at cadence 1 (a round every step), the calibration: its direct figure can be held
   against the rounds' A/B figure for ``ours_k1``, where the cost is large enough to see;
 * the watchdog's progress report (``ProgressReporter.step``, what ``resilient_loop`` calls): one
-  ``pwrite`` per boundary and a 256-byte record at most every 0.5 s, all on the training thread.
+  ``pwrite`` per boundary and a 256-byte record at most every 0.5 s, all on the training thread;
+* a call that does nothing, timed the same way: the baseline (below).
 
-The call's wall time is what is charged (it includes a wait for the round, and also any moment the
-training thread was descheduled by another process during the call, which makes it an upper
-estimate on a busy machine); its CPU time is recorded beside it (``call_cpu_s``).
+What is charged per boundary: the call's wall time less the time the training thread was runnable
+but waiting for a CPU during it (read from its ``schedstat``), i.e. its own CPU in the call plus
+any sleep waiting for the round in flight, plus gloo's threads' CPU. The time spent runnable but
+waiting inside the call is not charged again: a wake-up of gloo's threads preempting the caller
+is their CPU (charged already), another process's is the machine, not the call. The wall-time
+figure (the call's whole wall time + gloo's CPU: an upper estimate that counts such a preemption
+twice) is kept beside it. The reads of the clocks around each call cost a few microseconds each
+time here (far more than in a tight loop: after a training step the interpreter runs cold): a call
+that does nothing, timed the same way in the same processes (``noop``), measures them, and its
+mean is subtracted (``baseline_s``, its interval carried into the figure's).
 
 Each rank returns, per chunk, the summed call time, the charged thread CPU and every step's time
 (to take the median step of the same run); :func:`bench.ddp.bench_agreement` turns them into
@@ -60,30 +68,57 @@ def thread_cpu_s(tids: set[int]) -> float:
     return total / 1e9
 
 
+def _run_delay_ns(fd: int) -> int:
+    """This thread's total time runnable but waiting for a CPU (ns): ``schedstat``'s second
+    field, complete up to now (a wait is added when it ends, and this thread is running)."""
+    return int(os.pread(fd, 128, 0).split()[1])
+
+
 def _chunks(run: DigitsRun, counter: list[int], calls: int, chunk: int, boundary: Callable[[], None] | None, tids: set[int]) -> list[dict[str, Any]]:
-    """``calls`` steps in chunks of ``chunk``, each step followed by ``boundary()`` (timed) when given."""
+    """``calls`` steps in chunks of ``chunk``, each step followed by ``boundary()`` (timed) when given.
+
+    Per chunk: ``call_s`` (wall time in the calls), split into ``call_cpu_s`` (this thread on a
+    CPU), ``call_runq_s`` (runnable, waiting for a CPU another thread held: charged through that
+    thread's CPU when it is gloo's, noise when another process's) and ``call_blocked_s`` (the
+    rest: asleep, waiting for the round); ``thread_cpu_s`` of ``tids``; every step's time."""
+    fd = os.open(f"/proc/self/task/{threading_native_id()}/schedstat", os.O_RDONLY)
     out = []
-    for _ in range(max(1, calls // chunk)):
-        cpu0 = thread_cpu_s(tids)
-        in_call = call_cpu = 0.0
-        steps = []
-        for _ in range(chunk):
-            start = time.perf_counter()
-            run.step()
-            counter[0] += 1
-            cpu_before = time.thread_time()
-            mid = time.perf_counter()
-            steps.append(mid - start)
-            if boundary is not None:
+    try:
+        for _ in range(max(1, calls // chunk)):
+            cpu0 = thread_cpu_s(tids)
+            wall = cpu = runq = blocked = 0.0
+            steps = []
+            for _ in range(chunk):
+                start = time.perf_counter()
+                run.step()
+                counter[0] += 1
+                if boundary is None:
+                    steps.append(time.perf_counter() - start)
+                    continue
+                # the windows nest: wall ⊇ CPU ⊇ run delay, so the time charged (wall - run delay)
+                # never drops a wait inside the call; the reads' own cost is the baseline's
+                mid = time.perf_counter()
+                steps.append(mid - start)
+                cpu_before = time.thread_time_ns()
+                delay0 = _run_delay_ns(fd)
                 boundary()
-                in_call += time.perf_counter() - mid
-                call_cpu += time.thread_time() - cpu_before
-        out.append({"call_s": in_call, "call_cpu_s": call_cpu, "thread_cpu_s": thread_cpu_s(tids) - cpu0, "steps_s": steps})
+                waited = (_run_delay_ns(fd) - delay0) / 1e9
+                on_cpu = (time.thread_time_ns() - cpu_before) / 1e9
+                took = time.perf_counter() - mid
+                wall, cpu, runq = wall + took, cpu + on_cpu, runq + waited
+                blocked += max(0.0, took - on_cpu - waited)
+            out.append(
+                {"call_s": wall, "call_cpu_s": cpu, "call_runq_s": runq, "call_blocked_s": blocked, "thread_cpu_s": thread_cpu_s(tids) - cpu0, "steps_s": steps}
+            )
+    finally:
+        os.close(fd)
     return out
 
 
-def agreement_chunks(run: DigitsRun, rank: int, counter: list[int], *, calls: int, chunk: int, every: int | str) -> dict[str, Any]:
-    """The agreement at cadence ``every`` (an int, or ``"auto"``) on a new gloo group; see the module docstring."""
+def agreement_chunks(
+    run: DigitsRun, rank: int, counter: list[int], *, calls: int, chunk: int, every: int | str, interval_s: float = AUTO_INTERVAL_S
+) -> dict[str, Any]:
+    """The agreement at cadence ``every`` (an int, or ``"auto"``: rounds ``interval_s`` apart) on a new gloo group; see the module docstring."""
     from resilience.stop.agreement import StopAgreement
     from resilience.timing import RunTimer, auto_cadence
 
@@ -96,7 +131,7 @@ def agreement_chunks(run: DigitsRun, rank: int, counter: list[int], *, calls: in
 
     def boundary() -> None:
         timer.boundary()
-        propose = auto_cadence(timer.step_s, max(AUTO_INTERVAL_S, 2 * agreement.round_s)) if every == "auto" and rank == 0 else 0
+        propose = auto_cadence(timer.step_s, max(interval_s, 2 * agreement.round_s)) if every == "auto" and rank == 0 else 0
         agreement.update(counter[0], 0, propose_every_steps=propose)
 
     try:
@@ -112,7 +147,7 @@ def agreement_chunks(run: DigitsRun, rank: int, counter: list[int], *, calls: in
     finally:
         agreement.close()
         dist.destroy_process_group(group)
-    return {"chunks": timed, "idle": idle, "threads": len(tids), "every_steps_at_end": every_at_end, "chunk": chunk}
+    return {"chunks": timed, "idle": idle, "threads": len(tids), "every_steps_at_end": every_at_end, "chunk": chunk, "interval_s": interval_s}
 
 
 def progress_chunks(run: DigitsRun, rank: int, counter: list[int], *, calls: int, chunk: int) -> dict[str, Any]:
@@ -134,6 +169,17 @@ def progress_chunks(run: DigitsRun, rank: int, counter: list[int], *, calls: int
     return {"chunks": timed, "chunk": chunk}
 
 
+def _noop() -> None:
+    """The baseline's call: nothing, timed exactly like the real ones."""
+
+
+def noop_chunks(run: DigitsRun, counter: list[int], *, calls: int, chunk: int) -> dict[str, Any]:
+    """A call that does nothing, timed like the others: the timing's own cost in this process at
+    this point (the clock reads around each call), subtracted from theirs."""
+    dist.barrier()
+    return {"chunks": _chunks(run, counter, calls, chunk, _noop, set()), "chunk": chunk}
+
+
 def threading_native_id() -> int:
     """This (the training) thread's kernel id: never charged as the group's."""
     import threading
@@ -141,28 +187,31 @@ def threading_native_id() -> int:
     return threading.get_native_id()
 
 
-def direct_phase(run: DigitsRun, rank: int, counter: list[int], *, calls: int, chunk: int = 50) -> dict[str, Any]:
-    """Every rank: the three measurements of the module docstring; rank 0 returns all ranks' (the others None)."""
+def direct_phase(run: DigitsRun, rank: int, counter: list[int], *, calls: int, chunk: int = 50, interval_s: float = AUTO_INTERVAL_S) -> dict[str, Any]:
+    """Every rank: the three measurements of the module docstring (``auto`` with rounds ``interval_s``
+    apart, ``step_scheduler.agreement_interval_s``); rank 0 returns all ranks' (the others None)."""
     mine = {
-        "agreement": agreement_chunks(run, rank, counter, calls=calls, chunk=chunk, every="auto"),
+        "agreement": agreement_chunks(run, rank, counter, calls=calls, chunk=chunk, every="auto", interval_s=interval_s),
         "agreement_k1": agreement_chunks(run, rank, counter, calls=max(chunk, calls // 4), chunk=chunk, every=1),
         "progress": progress_chunks(run, rank, counter, calls=calls, chunk=chunk),
+        "noop": noop_chunks(run, counter, calls=calls, chunk=chunk),
     }
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if rank == 0:
 
         def per_call_us(name: str) -> float:
-            total = sum(c["call_s"] + c["thread_cpu_s"] for r in ranks for c in r[name]["chunks"])
+            total = sum(c["call_s"] - c["call_runq_s"] + c["thread_cpu_s"] for r in ranks for c in r[name]["chunks"])
             return total / len(ranks) / (len(mine[name]["chunks"]) * chunk) * 1e6
 
-        print("direct: " + ", ".join(f"{name} {per_call_us(name):.1f} us" for name in mine) + " per boundary (mean of ranks)", flush=True)
+        print("direct: " + ", ".join(f"{name} {per_call_us(name):.1f} us" for name in mine) + " per boundary (mean of ranks, timing included)", flush=True)
     return {"ranks": ranks} if rank == 0 else {}
 
 
 def summarise(direct: dict[str, Any], launcher_cpu_per_s: float = 0.0) -> dict[str, Any]:
     """Per measurement (``agreement``, ``agreement_k1``, ``progress``): per rank the cost per
-    boundary (call time + charged thread CPU, by chunk) over the median step of the same chunks
+    boundary (the call's CPU + its sleep + gloo's threads' CPU, by chunk; see the module docstring)
+    over the median step of the same chunks
     (:func:`bench.stats.cost_fraction`), and the figure: the rank whose interval reaches
     highest (a step waits for its slowest rank). ``progress`` adds the launcher's reads
     (``launcher_cpu_per_s``: CPU seconds per second of the watchdog's checks, one core's share,
@@ -174,20 +223,29 @@ def summarise(direct: dict[str, Any], launcher_cpu_per_s: float = 0.0) -> dict[s
         per_rank = []
         for rank in direct["ranks"]:
             got = rank[name]
+            noop = rank.get("noop")
+            base = [(c["call_s"] - c["call_runq_s"]) / noop["chunk"] for c in noop["chunks"]] if noop else None
             chunks, chunk = got["chunks"], got["chunk"]
-            costs = [(c["call_s"] + c["thread_cpu_s"]) / chunk for c in chunks]
+            extra = launcher_cpu_per_s if name == "progress" else 0.0
+            costs = [(c["call_s"] - c["call_runq_s"] + c["thread_cpu_s"]) / chunk for c in chunks]
             steps = [s for c in chunks for s in c["steps_s"]]
-            fig = cost_fraction(costs, steps, extra=launcher_cpu_per_s if name == "progress" else 0.0)
+            fig = cost_fraction(costs, steps, extra=extra, baseline=base)
+            wall = cost_fraction([(c["call_s"] + c["thread_cpu_s"]) / chunk for c in chunks], steps, extra=extra)
             idle = got.get("idle") or []
+            n = len(chunks) * chunk
             fig.update(
-                calls=len(chunks) * chunk,
+                calls=n,
                 calls_per_step=1,
-                call_s=sum(c["call_s"] for c in chunks) / (len(chunks) * chunk),
-                call_cpu_s=sum(c.get("call_cpu_s", 0.0) for c in chunks) / (len(chunks) * chunk),
-                thread_cpu_s=sum(c["thread_cpu_s"] for c in chunks) / (len(chunks) * chunk),
+                call_s=sum(c["call_s"] for c in chunks) / n,
+                call_cpu_s=sum(c["call_cpu_s"] for c in chunks) / n,
+                call_blocked_s=sum(c["call_blocked_s"] for c in chunks) / n,
+                call_runq_s=sum(c["call_runq_s"] for c in chunks) / n,
+                wall_figure={k: wall[k] for k in ("value", "ci_low", "ci_high")},
+                thread_cpu_s=sum(c["thread_cpu_s"] for c in chunks) / n,
                 idle_thread_cpu_s=sum(c["thread_cpu_s"] for c in idle) / (len(idle) * chunk) if idle else None,
                 threads=got.get("threads"),
                 every_steps_at_end=got.get("every_steps_at_end"),
+                interval_s=got.get("interval_s"),
                 chunk=chunk,
             )
             per_rank.append(fig)

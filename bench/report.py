@@ -247,13 +247,18 @@ def _direct(out: dict[str, Any], ddp: dict[str, Any]) -> None:
             calls_per_step=fig["calls_per_step"],
             call_s=fig["call_s"],
             call_cpu_s=fig["call_cpu_s"],
+            call_blocked_s=fig["call_blocked_s"],
+            call_runq_s=fig["call_runq_s"],
+            wall_figure=fig["wall_figure"],
             thread_cpu_s=fig["thread_cpu_s"],
             idle_thread_cpu_s=fig["idle_thread_cpu_s"],
             cost_s=fig["cost_s"],
+            baseline_s=fig["baseline_s"],
             step_s=fig["step_s"],
             rank=fig["rank"],
             ranks=fig["ranks"],
             every_steps_at_end=fig.get("every_steps_at_end"),
+            agreement_interval_s=fig.get("interval_s"),
             ab_value=(ddp.get(ab) or {}).get("value"),
         )
         entry.update(value=fig["value"], ci_low=fig["ci_low"], ci_high=fig["ci_high"], ci_confidence=fig["confidence"])
@@ -266,6 +271,8 @@ def _direct(out: dict[str, Any], ddp: dict[str, Any]) -> None:
                 "direct": k1["value"],
                 "direct_ci": [k1["ci_low"], k1["ci_high"]],
                 "call_s": k1["call_s"],
+                "call_cpu_s": k1["call_cpu_s"],
+                "call_blocked_s": k1["call_blocked_s"],
                 "thread_cpu_s": k1["thread_cpu_s"],
                 "rounds_ab": (ddp["variants"].get("ours_k1") or {}).get("overhead_fraction"),
             }

@@ -50,8 +50,13 @@ def median_interval(values: Sequence[float | None], confidence: float = CONFIDEN
         return out
     ordered = sorted(rounds)
     best_k, coverage = 1, 1 - 2 * _binom_cdf_half(0, n)
+    # P(X <= k - 1) kept as an exact running sum of C(n, i): O(n) for thousands of step times
+    term = cumulative = 1  # C(n, 0)
+    total = 2**n
     for k in range(2, n // 2 + 1):
-        c = 1 - 2 * _binom_cdf_half(k - 1, n)
+        term = term * (n - k + 2) // (k - 1)  # C(n, k - 1)
+        cumulative += term
+        c = 1 - 2 * cumulative / total
         if c < confidence:
             break
         best_k, coverage = k, c
@@ -161,21 +166,26 @@ def mean_interval(values: Sequence[float], *, block: int | None = None, resample
     return out
 
 
-def cost_fraction(costs: Sequence[float], steps: Sequence[float], *, extra: float = 0.0, **kw: Any) -> dict[str, Any]:
-    """A per-step cost over the median step: ``mean(costs) / median(steps) + extra``.
+def cost_fraction(costs: Sequence[float], steps: Sequence[float], *, extra: float = 0.0, baseline: Sequence[float] | None = None, **kw: Any) -> dict[str, Any]:
+    """A per-step cost over the median step: ``(mean(costs) - mean(baseline)) / median(steps) + extra``.
 
     ``costs``: seconds per step boundary, one value per chunk of consecutive boundaries (time
-    order); ``steps``: every step's time (s) in the same run; ``extra``: a fraction added as is
-    (measured elsewhere, without an interval). The interval combines the mean's block-bootstrap
-    interval (:func:`mean_interval`, ``kw``) with the median step's order-statistic interval
-    (:func:`median_interval`), the wide way round: ``[cost_low / step_high, cost_high / step_low]``.
-    Returns ``{"value", "ci_low", "ci_high", "confidence", "cost_s", "step_s"}`` (the two intervals)."""
+    order); ``baseline``: the same for a call that does nothing, timed the same way in the same run
+    (the timing's own cost, subtracted; none: 0); ``steps``: every step's time (s) in the same run;
+    ``extra``: a fraction added as is (measured elsewhere, without an interval). The interval
+    combines the means' block-bootstrap intervals (:func:`mean_interval`, ``kw``) with the median
+    step's order-statistic interval (:func:`median_interval`), the wide way round: the lowest and
+    highest of ``(cost - baseline) / step`` over the three intervals' ends.
+    Returns ``{"value", "ci_low", "ci_high", "confidence", "cost_s", "baseline_s", "step_s"}``."""
     cost, step = mean_interval(costs, **kw), median_interval(steps)
+    base = mean_interval(baseline, **kw) if baseline else {"mean": 0.0, "ci_low": 0.0, "ci_high": 0.0, "n": 0}
     step_s = {k: v for k, v in step.items() if k != "rounds"}  # not every step's time
-    out: dict[str, Any] = {"value": None, "ci_low": None, "ci_high": None, "confidence": None, "cost_s": cost, "step_s": step_s}
-    if cost["mean"] is None or not step["median"]:
+    out: dict[str, Any] = {"value": None, "ci_low": None, "ci_high": None, "confidence": None, "cost_s": cost, "baseline_s": base, "step_s": step_s}
+    if cost["mean"] is None or base["mean"] is None or not step["median"]:
         return out
-    out["value"] = cost["mean"] / step["median"] + extra
-    if cost["ci_low"] is not None and step["ci_low"]:
-        out.update(ci_low=cost["ci_low"] / step["ci_high"] + extra, ci_high=cost["ci_high"] / step["ci_low"] + extra, confidence=cost["confidence"])
+    out["value"] = (cost["mean"] - base["mean"]) / step["median"] + extra
+    if cost["ci_low"] is not None and base["ci_low"] is not None and step["ci_low"]:
+        low, high = cost["ci_low"] - base["ci_high"], cost["ci_high"] - base["ci_low"]
+        steps_at = (step["ci_low"], step["ci_high"])
+        out.update(ci_low=min(low / t for t in steps_at) + extra, ci_high=max(high / t for t in steps_at) + extra, confidence=cost["confidence"])
     return out

@@ -158,21 +158,27 @@ def _ab_row(label: str, f: dict[str, Any], treated: str, base: str) -> Row:
     )
 
 
+def _us(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 1e6:.1f} us"
+
+
 def _direct_row(label: str, f: dict[str, Any], what: str) -> Row:
     """The row of a boundary call timed directly (bench/direct_cost.py): cost per boundary and its
     parts over the median step of the same run, with the A/B figure beside it."""
     if f.get("value") is None:
         return _missing(label, f)
     cost, step = f["cost_s"], f["step_s"]
-    parts = f"call {_s(f['call_s'])} (its CPU {_s(f.get('call_cpu_s'))})" + (f" + {what} CPU {_s(f['thread_cpu_s'])}" if f.get("thread_cpu_s") else "")
+    parts = f"call: CPU {_us(f['call_cpu_s'])}, asleep {_us(f['call_blocked_s'])}, waiting for a CPU {_us(f['call_runq_s'])} (not charged)"
+    parts += f" + {what} CPU {_us(f['thread_cpu_s'])}" if f.get("thread_cpu_s") else ""
+    parts += f"; less the timing's own {_us((f.get('baseline_s') or {}).get('mean'))} (a no-op timed alike)"
     if f.get("launcher_cpu_per_s") is not None:
         parts += f"; launcher reads {f['launcher_cpu_per_s']:.3%} of a core"
     ab = f" (A/B: {f['ab_value']:+.2%})" if f.get("ab_value") is not None else ""
     return (
         f"{label}, timed directly: {f['calls']} calls x {f['calls_per_step']} per step (rank {f['rank']})",
-        f"{cost['mean'] * 1e6:.1f} us per step ({parts})",
+        f"{(cost['mean'] - (f.get('baseline_s') or {}).get('mean', 0.0)) * 1e6:.1f} us per step ({parts})",
         f"median step {_s(step['median'])}",
-        _x(f["value"], "{:+.3%}") + _ci(f, "{:+.3%}") + ab,
+        _x(f["value"], "{:+.3%}") + _ci(f, "{:+.3%}") + f"; with the calls' wall time {f['wall_figure']['value']:+.3%}" + ab,
         f["target"],
         _verdict(f["pass"]),
     )
@@ -195,7 +201,7 @@ def _agreement_rows(fig: dict[str, Any]) -> list[Row]:
         rows.append(
             (
                 "  calibration: k=1 (a round every step), timed directly",
-                f"call {_s(k1['call_s'])} + gloo threads' CPU {_s(k1['thread_cpu_s'])} per step",
+                f"call: CPU {_us(k1['call_cpu_s'])}, asleep {_us(k1['call_blocked_s'])} + gloo threads' CPU {_us(k1['thread_cpu_s'])} per step",
                 "",
                 _x(k1["direct"], "{:+.2%}") + ab_k1,
                 "info",

@@ -97,6 +97,13 @@ def test_a_direct_cost_is_its_mean_over_the_median_step_with_the_wide_interval()
     assert got["value"] == pytest.approx(14e-6 / 5e-3 + 1e-4)
     assert got["ci_low"] == pytest.approx(mean["ci_low"] / 5e-3 + 1e-4) and got["ci_high"] == pytest.approx(mean["ci_high"] / 5e-3 + 1e-4)
     assert cost_fraction([1e-6], [5e-3])["ci_high"] is None  # one chunk: no interval
+    # the timing's own cost (a no-op timed alike: 4 us) is subtracted, its interval carried into the figure's
+    based = cost_fraction(costs, steps, baseline=[4e-6] * 39 + [8e-6])
+    base = mean_interval([4e-6] * 39 + [8e-6])
+    assert based["value"] == pytest.approx((14e-6 - 4.1e-6) / 5e-3)
+    assert based["step_s"]["ci_low"] == based["step_s"]["ci_high"] == 5e-3  # the middle steps are all 5 ms
+    assert based["ci_low"] == pytest.approx((mean["ci_low"] - base["ci_high"]) / 5e-3)
+    assert based["ci_high"] == pytest.approx((mean["ci_high"] - base["ci_low"]) / 5e-3)
 
 
 def test_log_tail_counts_only_rows_past_the_resume_point_after_the_log_is_rewritten(tmp_path):
