@@ -80,7 +80,7 @@ def _chunks(run: DigitsRun, counter: list[int], calls: int, chunk: int, boundary
     Per chunk: ``call_s`` (wall time in the calls), split into ``call_cpu_s`` (this thread on a
     CPU), ``call_runq_s`` (runnable, waiting for a CPU another thread held: charged through that
     thread's CPU when it is gloo's, noise when another process's) and ``call_blocked_s`` (the
-    rest: asleep, waiting for the round); ``thread_cpu_s`` of ``tids``; every step's time."""
+    rest: asleep, waiting for the round, and the clock reads' own cost); ``thread_cpu_s`` of ``tids``; every step's time."""
     fd = os.open(f"/proc/self/task/{threading_native_id()}/schedstat", os.O_RDONLY)
     out = []
     try:
@@ -95,15 +95,16 @@ def _chunks(run: DigitsRun, counter: list[int], calls: int, chunk: int, boundary
                 if boundary is None:
                     steps.append(time.perf_counter() - start)
                     continue
-                # the windows nest: wall ⊇ CPU ⊇ run delay, so the time charged (wall - run delay)
-                # never drops a wait inside the call; the reads' own cost is the baseline's
+                # the windows nest: wall ⊇ run delay ⊇ CPU, so the time charged (wall - run delay)
+                # never drops a wait inside the call (a wait the reads themselves catch is charged:
+                # the conservative side); the reads' own cost is the baseline's
                 mid = time.perf_counter()
                 steps.append(mid - start)
-                cpu_before = time.thread_time_ns()
                 delay0 = _run_delay_ns(fd)
+                cpu_before = time.thread_time_ns()
                 boundary()
-                waited = (_run_delay_ns(fd) - delay0) / 1e9
                 on_cpu = (time.thread_time_ns() - cpu_before) / 1e9
+                waited = (_run_delay_ns(fd) - delay0) / 1e9
                 took = time.perf_counter() - mid
                 wall, cpu, runq = wall + took, cpu + on_cpu, runq + waited
                 blocked += max(0.0, took - on_cpu - waited)

@@ -168,7 +168,7 @@ def _direct_row(label: str, f: dict[str, Any], what: str) -> Row:
     if f.get("value") is None:
         return _missing(label, f)
     cost, step = f["cost_s"], f["step_s"]
-    parts = f"call: CPU {_us(f['call_cpu_s'])}, asleep {_us(f['call_blocked_s'])}, waiting for a CPU {_us(f['call_runq_s'])} (not charged)"
+    parts = f"call: CPU {_us(f['call_cpu_s'])}, asleep or reading the clocks {_us(f['call_blocked_s'])}, waiting for a CPU {_us(f['call_runq_s'])} (uncharged)"
     parts += f" + {what} CPU {_us(f['thread_cpu_s'])}" if f.get("thread_cpu_s") else ""
     parts += f"; less the timing's own {_us((f.get('baseline_s') or {}).get('mean'))} (a no-op timed alike)"
     if f.get("launcher_cpu_per_s") is not None:
@@ -201,7 +201,7 @@ def _agreement_rows(fig: dict[str, Any]) -> list[Row]:
         rows.append(
             (
                 "  calibration: k=1 (a round every step), timed directly",
-                f"call: CPU {_us(k1['call_cpu_s'])}, asleep {_us(k1['call_blocked_s'])} + gloo threads' CPU {_us(k1['thread_cpu_s'])} per step",
+                f"call: CPU {_us(k1['call_cpu_s'])}, other {_us(k1['call_blocked_s'])} + gloo threads' CPU {_us(k1['thread_cpu_s'])} per step",
                 "",
                 _x(k1["direct"], "{:+.2%}") + ab_k1,
                 "info",
