@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint bench gpu-check install clean
 
 install: $(STAMP)
 
@@ -39,6 +39,14 @@ bench: $(STAMP)
 	$(PY) -m bench --load
 	nice -n 19 $(PY) -m bench.scale
 	$(PY) -m bench.agreement
+
+# What only a CUDA device shows (bench/gpu_check.py, < 5 min, never part of `make test`): a 1-rank FSDP2
+# Llama on NCCL preempted and resumed bitwise (CUDA RNG included), the async save's blocked time with
+# pinned staging vs one device-to-host copy, the sync save vs the disk, the agreement beside NCCL.
+# Needs a CUDA build of torch (this Makefile's venv has the CPU wheel): make gpu-check VENV=/path/to/cuda-venv.
+# Exits 3 when torch sees no CUDA device, 1 on any mismatch.
+gpu-check:
+	$(PY) -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) runs

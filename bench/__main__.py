@@ -3,7 +3,7 @@
     python -m bench                    # ~1 GiB fp32 model + Adam state (3 GiB), 5 rounds
     python -m bench --size 256M --repeat 3
     python -m bench --quick            # a tiny smoke run (the test suite's)
-    python -m bench --only save,load   # some sections: save, load, rss, async, agreement, exit, watchdog, goodput, sharded
+    python -m bench --only save,load   # some sections: save, load, rss, async, agreement, exit, watchdog, goodput, restart, sharded
     python -m bench --load             # twice: quiet, then beside a CPU-bound neighbour (loaded.*)
     python -m bench --load-only        # only the pass beside the neighbour, merged into --out
 
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("save", "load", "rss", "async", "agreement", "exit", "watchdog", "goodput", "sharded")
+SECTIONS = ("save", "load", "rss", "async", "agreement", "exit", "watchdog", "goodput", "restart", "sharded")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -168,6 +168,8 @@ def run_pass(args: argparse.Namespace, argv: list[str] | None, log: Callable[[st
                 ab_pairs=3 if quick else 100,
                 ab_steps=10 if quick else 50,
                 ab_max_s=0.0 if quick else 300.0,
+                direct_calls=200 if quick else 3000,
+                direct_chunk=20 if quick else 50,
             ),
         )
         section(
@@ -200,6 +202,11 @@ def run_pass(args: argparse.Namespace, argv: list[str] | None, log: Callable[[st
                     run_dir, periods=args.goodput_periods, preemptions=args.goodput_preemptions, timeout_s=300 if quick else 900, log=log
                 ),
             )
+        if "restart" in only:
+            from bench import restart
+
+            # restart -> first step of the digits example on 2 ranks, phase by phase (issue 27, item 3)
+            section("restart", lambda: restart.bench_restart(run_dir, trials=1 if quick else max(args.repeat, 3), timeout_s=300, log=log))
         if "sharded" in only:
             from bench import sharded_save
 

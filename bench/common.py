@@ -12,11 +12,13 @@ Facts these helpers work around (measured on this machine kind, see the project 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import re
 import resource
 import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -28,6 +30,27 @@ DEFAULT_WORKDIR = REPO / "bench" / "tmp"
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def example_module(name: str):
+    """``examples/<name>/train.py`` as a module (its builders: data, model), loaded once from its
+    file as ``examples_<name>_train``; loading it imports ``resilience`` (the example's own imports)."""
+    module_name = f"examples_{name}_train"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    path = REPO / "examples" / name
+    spec = importlib.util.spec_from_file_location(module_name, path / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path))  # the example's own sibling imports, if any
+    try:
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    finally:
+        sys.path.remove(str(path))
+    return module
 
 
 def parse_size(text: str) -> int:

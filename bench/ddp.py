@@ -45,6 +45,9 @@ def bench_agreement(
     ab_pairs: int = 100,
     ab_steps: int = 50,
     ab_max_s: float = 0.0,
+    direct_calls: int = 3000,
+    direct_chunk: int = 50,
+    direct_interval_s: float = 0.1,
 ) -> dict[str, Any]:
     """Run :mod:`bench.ddp_worker` on 2 ranks and summarise its blocks.
 
@@ -54,7 +57,9 @@ def bench_agreement(
     ``ab``: the default cadence's overhead over a no-op call from at least ``ab_pairs``
     interleaved rows of ``ab_steps``-step blocks (more, for up to ``ab_max_s`` seconds, until
     the interval is about +-0.4 % wide) with its block-bootstrap interval, and the same against
-    the bare step and the no-op's own reading (:func:`bench.stats.controlled_overhead`)."""
+    the bare step and the no-op's own reading (:func:`bench.stats.controlled_overhead`); and
+    ``direct``: each boundary call timed ``direct_calls`` times (:mod:`bench.direct_cost`) over the
+    median step of the same run, with the watchdog's reads (this process) added to the reports'."""
     out = work / "ddp_result.json"
     ckpt = work / "ddp_checkpoints"
     remove(out)
@@ -84,9 +89,15 @@ def bench_agreement(
         str(ab_steps),
         "--ab-max-seconds",
         str(ab_max_s),
+        "--direct-calls",
+        str(direct_calls),
+        "--direct-chunk",
+        str(direct_chunk),
+        "--direct-interval-s",
+        str(direct_interval_s),
     ]
     with launch(cmd, 2, env=rank_env(), failure_grace_s=5.0) as group:
-        code, stalls = _wait_watched(group, timeout_s)
+        code, stalls, launcher = _wait_watched(group, timeout_s)
     if code != 0 or not out.exists():
         raise RuntimeError(f"the DDP bench ranks exited with {code} ({[p.returncode for p in group.procs]})")
     raw = json.loads(out.read_text())
@@ -119,6 +130,12 @@ def bench_agreement(
         boundary_call_s=median([row["progress_boundary_s"] for row in progress_pairs]),
         stalls_seen=stalls,
     )
+    direct = None
+    if raw.get("direct"):
+        from bench.direct_cost import summarise
+
+        direct = summarise(raw["direct"], launcher["cpu_s"] / launcher["wall_s"] if launcher["wall_s"] else 0.0)
+        direct["launcher"] = launcher
     latency = {
         k: {
             "seconds": median([t["seconds"] for t in trials]),
@@ -133,6 +150,7 @@ def bench_agreement(
         "variants": summary,
         "ab": ab,
         "watchdog_ab": watchdog,
+        "direct": direct,
         "stop_latency": latency,
         "save_s": median(raw["save_s"]),
         "save_s_all": raw["save_s"],
@@ -140,10 +158,11 @@ def bench_agreement(
     }
 
 
-def _wait_watched(group, timeout_s: float) -> tuple[int, int]:
+def _wait_watched(group, timeout_s: float) -> tuple[int, int, dict[str, float]]:
     """``group.wait(timeout_s)`` while ``resilience run``'s watchdog reads the ranks' progress
     records as the launcher does (its reads land beside every block of every row alike);
-    returns (the group's exit code, stalls the watchdog reported, which should be 0).
+    returns (the group's exit code, stalls the watchdog reported, which should be 0, and the
+    reads' cost: ``{"cpu_s", "wall_s", "checks"}``, the CPU of every ``check()`` and the time watched).
 
     Raises RuntimeError when the ranks have not finished within ``timeout_s`` seconds."""
     from resilience.launch.rank_group import POLL_INTERVAL_S
@@ -151,13 +170,18 @@ def _wait_watched(group, timeout_s: float) -> tuple[int, int]:
 
     watchdog = Watchdog(group, ProgressTimeout())
     deadline = time.monotonic() + timeout_s
-    stalls = 0
+    stalls = checks = 0
+    cpu = 0.0
+    started = time.monotonic()
     while (code := group.poll()) is None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the DDP bench ranks did not finish within {timeout_s:g} s")
+        before = time.thread_time()
         stalls += watchdog.check() is not None
+        cpu += time.thread_time() - before
+        checks += 1
         time.sleep(POLL_INTERVAL_S)
-    return code, stalls
+    return code, stalls, {"cpu_s": cpu, "wall_s": time.monotonic() - started, "checks": checks}
 
 
 def _pointer(root: Path) -> str | None:

@@ -16,7 +16,8 @@ is measured in many short interleaved rows of three blocks: ``none``, ``noop`` (
 nothing, timed like the real one: the A/A control) and the agreement (the six orders in turn;
 one agreement alive across its blocks, as in a real run), the data of the overhead's confidence
 interval. Then the same for the watchdog's progress reports (``ProgressReporter.step`` at every
-boundary). Then it measures the stop latency
+boundary). Then each boundary call timed directly, thousands of times (:mod:`bench.direct_cost`).
+Then it measures the stop latency
 (rank 0 ``os.kill``s rank 1 with SIGUSR1 at a random moment; steps and seconds until both
 ranks have the agreed stop) and the time of one ``Checkpointer.save`` of this run's state.
 
@@ -46,6 +47,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from bench.common import example_module
+
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,21 +56,11 @@ AUTO_INTERVAL_S = 0.1  # step_scheduler.agreement_interval_s's default
 EXAMPLE = REPO / "examples" / "digits"
 
 
-def _example():
-    """The digits example's module (its builders), imported from its file."""
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        import train  # noqa: PLC0415 - examples/digits/train.py
-    finally:
-        sys.path.remove(str(EXAMPLE))
-    return train
-
-
 class DigitsRun:
     """The example's objects on this rank, and one training step."""
 
     def __init__(self, rank: int, world: int):
-        train = _example()
+        train = example_module("digits")
         extra = yaml.safe_load((EXAMPLE / "digits.yaml").read_text())
         seed = int(extra["seed"])
         random.seed(seed)
@@ -114,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ab-max-seconds", type=float, default=0.0, help="more rows until the interval is narrow, for at most this long (0: exactly --ab-pairs)"
     )
+    parser.add_argument("--direct-calls", type=int, default=3000, help="timed boundary calls per measurement of bench.direct_cost (0: none)")
+    parser.add_argument("--direct-chunk", type=int, default=50, help="boundaries per chunk of bench.direct_cost")
+    parser.add_argument("--direct-interval-s", type=float, default=AUTO_INTERVAL_S, help="bench.direct_cost's agreement_interval_s (default: the library's)")
     parser.add_argument("--latency-trials", type=int, default=5)
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--ckpt-dir", required=True)
@@ -192,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ab_pairs = ab_phase(run, rank, counter, args.ab_pairs, args.ab_steps, args.warmup, make_agreement, max_s=args.ab_max_seconds)
     progress_pairs = progress_ab_phase(run, rank, counter, args.ab_pairs, args.ab_steps, args.warmup, max_s=args.ab_max_seconds)
+    direct = None
+    if args.direct_calls > 0:
+        from bench.direct_cost import direct_phase
+
+        direct = direct_phase(run, rank, counter, calls=args.direct_calls, chunk=args.direct_chunk, interval_s=args.direct_interval_s)
 
     # -- stop latency: os.kill of rank `world - 1` by rank 0, at a random moment ---------------
     pids = [None] * world
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             "blocks": per_block,
             "ab_pairs": ab_pairs,
             "progress_ab_pairs": progress_pairs,
+            "direct": direct,
             "ab_steps_per_block": args.ab_steps,
             "stop_latency": latency,
             "save_s": save_s,

@@ -26,17 +26,28 @@ KEYS = (
     "async_block_vs_memcpy",
     "async_block_vs_dcp_async",
     "agreement_overhead_fraction",
+    "agreement_direct_overhead_fraction",
     "watchdog_overhead_fraction",
+    "watchdog_direct_overhead_fraction",
     "watchdog_detection_vs_limit",
     "signal_to_exit_vs_budget",
     "save_peak_extra_rss_fraction",
     "goodput_fraction",
     "preemption_cost_s",
+    "restart_ours_s",
     "sharded_save_vs_disk",
     "sharded_save_vs_dcp",
 )
-# The agreement's interval as top-level numbers too (the issue's "with _ci_high").
-CI_KEYS = ("agreement_overhead_fraction_ci_low", "agreement_overhead_fraction_ci_high")
+# Intervals as top-level numbers too (the issues' "with _ci_high"), and the restart's budget beside its figure.
+CI_KEYS = (
+    "agreement_overhead_fraction_ci_low",
+    "agreement_overhead_fraction_ci_high",
+    "agreement_direct_overhead_fraction_ci_low",
+    "agreement_direct_overhead_fraction_ci_high",
+    "watchdog_direct_overhead_fraction_ci_low",
+    "watchdog_direct_overhead_fraction_ci_high",
+    "restart_budget_s",
+)
 LOADED_PREFIX = "loaded."
 
 # key -> (comparison, bound, text); None: a comparison with a peer or an info figure.
@@ -50,12 +61,15 @@ TARGETS: dict[str, tuple[str, float, str] | None] = {
     "async_block_vs_memcpy": ("<=", 1.2, "<= 1.2x one memcpy"),
     "async_block_vs_dcp_async": None,
     "agreement_overhead_fraction": ("<=", 0.01, "95 % CI upper end <= 1 % of a step"),
+    "agreement_direct_overhead_fraction": ("<=", 0.01, "95 % CI upper end <= 1 % of the median step"),
     "watchdog_overhead_fraction": ("<=", 0.01, "95 % CI upper end <= 1 % of a step (within noise)"),
+    "watchdog_direct_overhead_fraction": ("<=", 0.01, "95 % CI upper end <= 1 % of the median step"),
     "watchdog_detection_vs_limit": ("<=", 1.0, "hang, stop: <= timeout + 1 s; kill: <= 1 s"),
     "signal_to_exit_vs_budget": ("<=", 1.0, "<= step + save + 1 s"),
     "save_peak_extra_rss_fraction": ("<=", 0.10, "<= 10 % of the state"),
     "goodput_fraction": None,
     "preemption_cost_s": ("<=", 1.0, "<= one save + one load + 2 s"),  # compared as cost / budget
+    "restart_ours_s": ("<=", 1.0, "<= 0.5 s + the load's own time"),  # compared as ours / budget
     "sharded_save_vs_disk": (">=", 0.9, ">= 0.9 of the disk rate"),
     "sharded_save_vs_dcp": None,
 }
@@ -70,6 +84,9 @@ SECTION_OF = {
     "async_block_vs_dcp_async": "async",
     "agreement_overhead_fraction": "agreement",
     "watchdog_overhead_fraction": "agreement",
+    "agreement_direct_overhead_fraction": "agreement",
+    "watchdog_direct_overhead_fraction": "agreement",
+    "restart_ours_s": "restart",
     "watchdog_detection_vs_limit": "watchdog",
     "signal_to_exit_vs_budget": "exit",
     "save_peak_extra_rss_fraction": "rss",
@@ -216,6 +233,77 @@ def _watchdog_overhead(out: dict[str, Any], ddp: dict[str, Any]) -> None:
     out["watchdog_overhead_fraction"] = entry
 
 
+def _direct(out: dict[str, Any], ddp: dict[str, Any]) -> None:
+    """The boundary calls timed directly (bench/direct_cost.py): cost per boundary x 1 call per step
+    over the median step, judged on the interval's upper end; the A/B figures and the k=1
+    calibration beside them."""
+    d = ddp["direct"]
+    for key, name, ab in (("agreement_direct_overhead_fraction", "agreement", "ab"), ("watchdog_direct_overhead_fraction", "progress", "watchdog_ab")):
+        fig = d[name]
+        entry = _entry(
+            key,
+            [r["value"] for r in fig["ranks"]],
+            calls=fig["calls"],
+            calls_per_step=fig["calls_per_step"],
+            call_s=fig["call_s"],
+            call_cpu_s=fig["call_cpu_s"],
+            call_blocked_s=fig["call_blocked_s"],
+            call_runq_s=fig["call_runq_s"],
+            wall_figure=fig["wall_figure"],
+            thread_cpu_s=fig["thread_cpu_s"],
+            idle_thread_cpu_s=fig["idle_thread_cpu_s"],
+            cost_s=fig["cost_s"],
+            baseline_s=fig["baseline_s"],
+            step_s=fig["step_s"],
+            rank=fig["rank"],
+            ranks=fig["ranks"],
+            every_steps_at_end=fig.get("every_steps_at_end"),
+            agreement_interval_s=fig.get("interval_s"),
+            ab_value=(ddp.get(ab) or {}).get("value"),
+        )
+        entry.update(value=fig["value"], ci_low=fig["ci_low"], ci_high=fig["ci_high"], ci_confidence=fig["confidence"])
+        upper = entry["ci_high"] if entry["ci_high"] is not None else entry["value"]
+        entry["pass"] = meets(key, upper)
+        entry["pass_whole_interval"] = entry["pass"] if entry["ci_high"] is not None else None
+        if name == "agreement":
+            k1 = d["agreement_k1"]
+            entry["k1_calibration"] = {
+                "direct": k1["value"],
+                "direct_ci": [k1["ci_low"], k1["ci_high"]],
+                "call_s": k1["call_s"],
+                "call_cpu_s": k1["call_cpu_s"],
+                "call_blocked_s": k1["call_blocked_s"],
+                "thread_cpu_s": k1["thread_cpu_s"],
+                "rounds_ab": (ddp["variants"].get("ours_k1") or {}).get("overhead_fraction"),
+            }
+        else:
+            entry["launcher_cpu_per_s"] = fig["launcher_cpu_per_s"]
+        out[key] = entry
+
+
+def _restart(out: dict[str, Any], rs: dict[str, Any]) -> None:
+    """Ours of restart -> first step (import resilience, config, build the loop, resume), the slower
+    rank per trial, against 0.5 s + the load's own time measured in the same trial."""
+    rows = rs["trials"]
+    entry = _entry(
+        "restart_ours_s",
+        rs["ours_s"],
+        budget_s=median(rs["budget_s"]),
+        load_own_s=rs["load_own_s"],
+        allowance_s=rs["allowance_s"],
+        vs_budget=median([o / b for o, b in zip(rs["ours_s"], rs["budget_s"])]),
+        phases_s={name: iv["median"] for name, iv in rs["by_phase_s"].items()},
+        phase_intervals=rs["by_phase_s"],
+        ours_phases=list(rs["ours_phases"]),
+        restart_to_first_step_s=rs["total_s"],
+        heavy_modules=rows[0]["heavy_modules"][0] if rows else None,
+    )
+    entry["pass"] = meets("restart_ours_s", entry["vs_budget"])
+    if entry["ci_high"] is not None:
+        entry["pass_whole_interval"] = bool(entry["ci_high"] <= entry["budget_s"])
+    out["restart_ours_s"] = entry
+
+
 def _watchdog_detection(out: dict[str, Any], wd: dict[str, Any]) -> None:
     """Per trial the worst of the three kinds' detection latency / its limit (<= 1 meets it)."""
     limits, trials = wd["limits_s"], wd["trials"]
@@ -340,6 +428,8 @@ def figures(results: dict[str, Any]) -> dict[str, Any]:
         _agreement(out, results["agreement"])
         if results["agreement"].get("watchdog_ab", {}).get("n"):
             _watchdog_overhead(out, results["agreement"])
+        if results["agreement"].get("direct"):
+            _direct(out, results["agreement"])
     if have["watchdog"]:
         _watchdog_detection(out, results["watchdog"])
         if have["exit"]:
@@ -350,6 +440,8 @@ def figures(results: dict[str, Any]) -> dict[str, Any]:
         _goodput(out, results["goodput"])
     if have["sharded"]:
         _sharded(out, results["sharded"])
+    if have["restart"] and results["restart"].get("trials"):
+        _restart(out, results["restart"])
     for key in KEYS:
         if key not in out:
             got = results.get(SECTION_OF[key])
@@ -357,8 +449,9 @@ def figures(results: dict[str, Any]) -> dict[str, Any]:
             if key == "signal_to_exit_vs_budget" and got is not None and not have["agreement"]:
                 reason = "needs the agreement section (its step and save times are the budget)"
             out[key] = _entry(key, [], error=reason)
-    agreement = out["agreement_overhead_fraction"]
-    out[CI_KEYS[0]], out[CI_KEYS[1]] = agreement["ci_low"], agreement["ci_high"]
+    for key in ("agreement_overhead_fraction", "agreement_direct_overhead_fraction", "watchdog_direct_overhead_fraction"):
+        out[f"{key}_ci_low"], out[f"{key}_ci_high"] = out[key]["ci_low"], out[key]["ci_high"]
+    out["restart_budget_s"] = out["restart_ours_s"].get("budget_s")
     return out
 
 

@@ -50,8 +50,13 @@ def median_interval(values: Sequence[float | None], confidence: float = CONFIDEN
         return out
     ordered = sorted(rounds)
     best_k, coverage = 1, 1 - 2 * _binom_cdf_half(0, n)
+    # P(X <= k - 1) kept as an exact running sum of C(n, i): O(n) for thousands of step times
+    term = cumulative = 1  # C(n, 0)
+    total = 2**n
     for k in range(2, n // 2 + 1):
-        c = 1 - 2 * _binom_cdf_half(k - 1, n)
+        term = term * (n - k + 2) // (k - 1)  # C(n, k - 1)
+        cumulative += term
+        c = 1 - 2 * cumulative / total
         if c < confidence:
             break
         best_k, coverage = k, c
@@ -135,4 +140,52 @@ def controlled_overhead(rows: Sequence[dict[str, float]], treated: str, *, contr
     out["control"] = control if has_control else base
     out["raw"] = {k: v for k, v in paired_overhead(t, b, **kw).items() if k != "pair_fractions"}
     out["aa"] = {k: v for k, v in paired_overhead(c, b, **kw).items() if k != "pair_fractions"} if has_control else None
+    return out
+
+
+def mean_interval(values: Sequence[float], *, block: int | None = None, resamples: int = 4000, seed: int = 0, confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """Mean of ``values`` (a series in time order: chunks of consecutive step boundaries) with the
+    percentile moving-block bootstrap interval of the mean (runs of ``block`` consecutive values,
+    default :func:`block_length`, resampled together: a burst of the machine spanning several
+    chunks is one piece of evidence, not several), ``resamples`` draws, seeded. Returns
+    ``{"mean", "ci_low", "ci_high", "confidence", "n", "block"}``; no interval below 2 values."""
+    n = len(values)
+    block = min(block_length(n) if block is None else max(1, block), max(1, n))
+    out: dict[str, Any] = {"mean": math.fsum(values) / n if n else None, "ci_low": None, "ci_high": None, "confidence": None, "n": n, "block": block}
+    if n < 2:
+        return out
+    rng = random.Random(seed)
+    runs = math.ceil(n / block)
+    draws = []
+    for _ in range(resamples):
+        idx = [start + j for start in (rng.randrange(n - block + 1) for _ in range(runs)) for j in range(block)][:n]
+        draws.append(math.fsum(values[i] for i in idx) / n)
+    draws.sort()
+    tail = (1 - confidence) / 2
+    out.update(ci_low=draws[int(tail * resamples)], ci_high=draws[min(resamples - 1, int((1 - tail) * resamples))], confidence=confidence)
+    return out
+
+
+def cost_fraction(costs: Sequence[float], steps: Sequence[float], *, extra: float = 0.0, baseline: Sequence[float] | None = None, **kw: Any) -> dict[str, Any]:
+    """A per-step cost over the median step: ``(mean(costs) - mean(baseline)) / median(steps) + extra``.
+
+    ``costs``: seconds per step boundary, one value per chunk of consecutive boundaries (time
+    order); ``baseline``: the same for a call that does nothing, timed the same way in the same run
+    (the timing's own cost, subtracted; none: 0); ``steps``: every step's time (s) in the same run;
+    ``extra``: a fraction added as is (measured elsewhere, without an interval). The interval
+    combines the means' block-bootstrap intervals (:func:`mean_interval`, ``kw``) with the median
+    step's order-statistic interval (:func:`median_interval`), the wide way round: the lowest and
+    highest of ``(cost - baseline) / step`` over the three intervals' ends.
+    Returns ``{"value", "ci_low", "ci_high", "confidence", "cost_s", "baseline_s", "step_s"}``."""
+    cost, step = mean_interval(costs, **kw), median_interval(steps)
+    base = mean_interval(baseline, **kw) if baseline else {"mean": 0.0, "ci_low": 0.0, "ci_high": 0.0, "n": 0}
+    step_s = {k: v for k, v in step.items() if k != "rounds"}  # not every step's time
+    out: dict[str, Any] = {"value": None, "ci_low": None, "ci_high": None, "confidence": None, "cost_s": cost, "baseline_s": base, "step_s": step_s}
+    if cost["mean"] is None or base["mean"] is None or not step["median"]:
+        return out
+    out["value"] = (cost["mean"] - base["mean"]) / step["median"] + extra
+    if cost["ci_low"] is not None and base["ci_low"] is not None and step["ci_low"]:
+        low, high = cost["ci_low"] - base["ci_high"], cost["ci_high"] - base["ci_low"]
+        steps_at = (step["ci_low"], step["ci_high"])
+        out.update(ci_low=min(low / t for t in steps_at) + extra, ci_high=max(high / t for t in steps_at) + extra, confidence=cost["confidence"])
     return out

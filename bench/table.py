@@ -158,6 +158,32 @@ def _ab_row(label: str, f: dict[str, Any], treated: str, base: str) -> Row:
     )
 
 
+def _us(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 1e6:.1f} us"
+
+
+def _direct_row(label: str, f: dict[str, Any], what: str) -> Row:
+    """The row of a boundary call timed directly (bench/direct_cost.py): cost per boundary and its
+    parts over the median step of the same run, with the A/B figure beside it."""
+    if f.get("value") is None:
+        return _missing(label, f)
+    cost, step = f["cost_s"], f["step_s"]
+    parts = f"call: CPU {_us(f['call_cpu_s'])}, asleep or reading the clocks {_us(f['call_blocked_s'])}, waiting for a CPU {_us(f['call_runq_s'])} (uncharged)"
+    parts += f" + {what} CPU {_us(f['thread_cpu_s'])}" if f.get("thread_cpu_s") else ""
+    parts += f"; less the timing's own {_us((f.get('baseline_s') or {}).get('mean'))} (a no-op timed alike)"
+    if f.get("launcher_cpu_per_s") is not None:
+        parts += f"; launcher reads {f['launcher_cpu_per_s']:.3%} of a core"
+    ab = f" (A/B: {f['ab_value']:+.2%})" if f.get("ab_value") is not None else ""
+    return (
+        f"{label}, timed directly: {f['calls']} calls x {f['calls_per_step']} per step (rank {f['rank']})",
+        f"{(cost['mean'] - (f.get('baseline_s') or {}).get('mean', 0.0)) * 1e6:.1f} us per step ({parts})",
+        f"median step {_s(step['median'])}",
+        _x(f["value"], "{:+.3%}") + _ci(f, "{:+.3%}") + f"; with the calls' wall time {f['wall_figure']['value']:+.3%}" + ab,
+        f["target"],
+        _verdict(f["pass"]),
+    )
+
+
 def _agreement_rows(fig: dict[str, Any]) -> list[Row]:
     f = fig["agreement_overhead_fraction"]
     if not f.get("step_s"):
@@ -167,6 +193,21 @@ def _agreement_rows(fig: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
     if ab.get("n"):
         rows.append(_ab_row("stop agreement, ours k=auto (default)", f, "ours_auto", "no agreement"))
+    d = fig.get("agreement_direct_overhead_fraction") or {}
+    rows.append(_direct_row("stop agreement, ours k=auto (default)", d, "gloo threads'"))
+    if d.get("k1_calibration"):
+        k1 = d["k1_calibration"]
+        ab_k1 = f" vs the rounds' A/B {k1['rounds_ab']:+.1%}" if k1.get("rounds_ab") is not None else ""
+        rows.append(
+            (
+                "  calibration: k=1 (a round every step), timed directly",
+                f"call: CPU {_us(k1['call_cpu_s'])}, other {_us(k1['call_blocked_s'])} + gloo threads' CPU {_us(k1['thread_cpu_s'])} per step",
+                "",
+                _x(k1["direct"], "{:+.2%}") + ab_k1,
+                "info",
+                "—",
+            )
+        )
     for name, label in (
         ("ours_k1", "stop agreement, ours k=1"),
         (f"ours_k{k}", f"stop agreement, ours k={k}"),
@@ -203,6 +244,7 @@ def _watchdog_rows(fig: dict[str, Any]) -> list[Row]:
         rows.append(_ab_row("watchdog: progress reports", f, "progress", "no reports"))
     else:
         rows.append(_missing("watchdog: progress reports", f))
+    rows.append(_direct_row("watchdog: progress reports", fig.get("watchdog_direct_overhead_fraction") or {}, "launcher"))
     if d.get("value") is None:
         return [*rows, _missing("watchdog detection", d)]
     for kind, what in (("hang", "a rank hung in a step"), ("kill", "a rank SIGKILLed"), ("stop", "a rank SIGSTOPped")):
@@ -296,6 +338,26 @@ def _goodput_rows(fig: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _restart_rows(fig: dict[str, Any]) -> list[Row]:
+    f = fig["restart_ours_s"]
+    if f.get("value") is None:
+        return [_missing("restart -> first step, ours", f)]
+    p = f["phases_s"]
+    ours = " + ".join(f"{name} {_s(p[name])}" for name in f["ours_phases"])
+    theirs = ", ".join(f"{name} {_s(p[name])}" for name in p if name not in f["ours_phases"])
+    return [
+        (
+            "restart -> first step, ours (digits, 2 ranks; slower rank per trial)",
+            _s(f["value"]) + _ci(f, "{:.3f}") + f" = {ours}",
+            f"0.5 s + load's own {_s(f['load_own_s'])} = {_s(f['budget_s'])}",
+            _x(f["vs_budget"], "{:.2f} of budget"),
+            f["target"],
+            _verdict(f["pass"]),
+        ),
+        (f"  the rest (interpreter, torch, the example's own); first step after {_s(f['restart_to_first_step_s'])}", theirs, "", "", "info", "—"),
+    ]
+
+
 def _sharded_rows(fig: dict[str, Any]) -> list[Row]:
     f, g = fig["sharded_save_vs_disk"], fig["sharded_save_vs_dcp"]
     if f.get("value") is None:
@@ -333,6 +395,7 @@ def table(fig: dict[str, Any], meta: dict[str, Any]) -> str:
         *_exit_rows(fig),
         *_rss_rows(fig),
         *_goodput_rows(fig),
+        *_restart_rows(fig),
         *_sharded_rows(fig),
     ]
     header = ("figure", "ours", "anchor (same run)", "ratio [95 % interval, coverage]", "target", "")

@@ -28,7 +28,7 @@ from resilience.checkpoint.policy.savable import check_savable
 from resilience.checkpoint.policy.world_size import world_size_problem
 from resilience.checkpoint.resume import Resuming
 from resilience.checkpoint.staging import StagingBuffers
-from resilience.checkpoint.writer import SAVE_FAILURES, describe_failure, phase, publish, raise_publish_verdict, write_checkpoint
+from resilience.checkpoint.writer import describe_failure, phase, publish, raise_publish_verdict, save_failures, write_checkpoint
 from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
 from resilience.state.batch_size import epoch_complete
@@ -259,12 +259,12 @@ class Checkpointer(Resuming):
         if ctx.rank == 0:
             try:
                 publish(self.root, name, written, meta)  # manifest, rename, LATEST
-            except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+            except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
                 error = describe_failure(exc)
             else:
                 try:
                     victims = self._after_publish(self.root / name, value)  # LOWEST_VAL, retention's choice
-                except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+                except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
                     error = f"after publishing (the checkpoint itself is published): {describe_failure(exc)}"
         victims = raise_publish_verdict(ctx, name, error, victims)
         if self._retention_window() is not None:  # without retention nothing is deleted: nothing to remember

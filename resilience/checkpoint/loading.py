@@ -21,15 +21,11 @@ from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.manifest import RANK_MANIFESTS
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
+from resilience.sharded_types import any_dtensor
 from resilience.state.data_parallel import DataParallel, position_rank
 from resilience.state.data_position import parse_data_position, read_data_position
 from resilience.state.rng import read_data_position_text
 from resilience.state.training_state import TrainingState
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor
 
 log = logging.getLogger("resilience.checkpoint")
 
@@ -155,7 +151,7 @@ def inline_files(manifest: dict[str, Any], state: TrainingState, *, weights_only
     reads them: a replicated model's weight shards and the optimizer's own files (not DCP's,
     which DCP reads). A guess from the names: what it misses is digested after the load."""
     files = manifest["files"]
-    model_sharded = any(isinstance(p, DTensor) for p in state.model.parameters())
+    model_sharded = any_dtensor(state.model.parameters())
     optim = state.optimizer is not None and not weights_only and manifest["meta"].get("optimizer_saved", True)
     return [rel for rel in files if (not model_sharded and fnmatch.fnmatch(rel, f"{MODEL_DIR}/{MODEL_SHARD_GLOB}")) or (optim and is_optim_file(rel))]
 

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from resilience.checkpoint.formats import hf_export, model_io, optim_io, pieces
 from resilience.checkpoint.formats.bundle_shards import write_bundle_share
 from resilience.checkpoint.formats.extra_state import save_extra_state
 from resilience.checkpoint.formats.plan_cache import LayoutCache
+from resilience.checkpoint.formats.state_dicts import get_model_state_dict, get_state_dict
 from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, RANK_STATE_DIR, STEP_SCHEDULER, TRASH_PREFIX, rank_state_file
 from resilience.checkpoint.policy.lowest_val import json_safe
 from resilience.checkpoint.staging import StagingBuffers

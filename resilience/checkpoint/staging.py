@@ -14,10 +14,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor
+from resilience.sharded_types import dtensor_class
 
 
 class StagingBuffers:
@@ -47,15 +44,17 @@ class StagingBuffers:
         :meth:`synchronize` before the buffers are read.
         """
         out: dict[str, torch.Tensor] = {}
+        dtensor = dtensor_class()  # None: no DTensor exists in this process
         for name, tensor in tensors.items():
             tensor = tensor.detach()
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            sharded = dtensor is not None and isinstance(tensor, dtensor)
+            local = tensor.to_local() if sharded else tensor
             buf = self._buffer_for(prefix + name, local)
             buf.copy_(local, non_blocking=local.device.type != "cpu")
             # A DTensor's snapshot is its local shard, kept a DTensor (same mesh, placements and
             # global shape) so the writers still know where it lies; built directly, as
             # DTensor.from_local would move a CPU shard back to the mesh's device.
-            out[name] = DTensor(buf, tensor._spec, requires_grad=False) if isinstance(tensor, DTensor) else buf
+            out[name] = dtensor(buf, tensor._spec, requires_grad=False) if sharded else buf
         return out
 
     def synchronize(self) -> None:

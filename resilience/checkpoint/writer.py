@@ -45,16 +45,19 @@ from resilience.checkpoint.storage.manifest import write_manifest, write_rank_ma
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer, write_pointer
 from resilience.distributed import DistContext
 from resilience.env_names import RANK_MANIFEST_BLOCK_ENV
+from resilience.sharded_types import loaded_class
 
 if TYPE_CHECKING:  # parts.py builds the parts; the writer only runs them
     from resilience.checkpoint.parts import Part
 
-try:  # DCP's CheckpointException derives from BaseException, not Exception
-    from torch.distributed.checkpoint.api import CheckpointException as _DCPError
-except ImportError:  # pragma: no cover - torch without DCP
-    _DCPError = Exception
-SAVE_FAILURES = (Exception, _DCPError)
-"""What a save step catches and hands to every rank (DCP's error is a ``BaseException``)."""
+
+def save_failures() -> tuple[type[BaseException], ...]:
+    """What a save step catches and hands to every rank: ``Exception``, and DCP's
+    ``CheckpointException`` (a ``BaseException``) once DCP is imported (it cannot be raised before).
+    Called in the ``except`` clause, so it is looked up when an exception is handled."""
+    dcp_error = loaded_class("torch.distributed.checkpoint.api", "CheckpointException")
+    return (Exception, dcp_error) if dcp_error is not None else (Exception,)
+
 
 log = logging.getLogger("resilience.checkpoint")
 
@@ -136,7 +139,7 @@ def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part])
             if staging.exists():
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
-        except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+        except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
             error = describe_failure(exc)
     ctx.gather_or_raise(error, fail=_failed(name, "creating the staging directory"))
 
@@ -152,7 +155,7 @@ def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part])
                 for rel in directories_of([rec.path for own in members for rec in own]):  # the block's directory entries durable
                     fsync_dir(staging / rel)
                 listed.append(write_rank_manifest(staging, ctx.rank, members))
-            except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+            except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
                 error = describe_failure(exc)
         gathered = ctx.gather_to_root_or_raise(error, listed, fail=_failed(name, "writing the rank manifests")) or []
         late = [p for p in parts if p.after_peers]
@@ -188,7 +191,7 @@ def publish(root: Path, name: str, written: Written, meta: dict[str, Any]) -> Pa
         _rename_into_place(root, staging, final, parent=meta.get("parent"))
         phase("pointer")
         write_pointer(root, LATEST, final)
-    except SAVE_FAILURES:
+    except save_failures():
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return final
@@ -239,7 +242,7 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
         try:
             try:
                 phase("parts")
-            except SAVE_FAILURES as exc:
+            except save_failures() as exc:
                 if stop_at_error:
                     raise
                 error = error or f"{part.name}: {describe_failure(exc)}"
@@ -250,7 +253,7 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
                 else:  # written by a library that hides its bytes: fsync, then read back
                     fsync_file(staging / written)
                     into.append(record(staging, written))
-        except SAVE_FAILURES as exc:  # noqa: BLE001 - any failure must reach every rank
+        except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
             error = error or f"{part.name}: {describe_failure(exc)}"
     return records, own, error
 

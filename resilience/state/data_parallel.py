@@ -30,15 +30,7 @@ import torch
 
 from resilience.config.checks import ConfigError
 from resilience.distributed import DistContext
-
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor, Replicate, Shard
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # torch < 2.6
-    from torch.distributed._composable.fsdp import FSDPModule
+from resilience.sharded_types import is_dtensor, loaded_class
 
 KEY = "data_parallel"
 HOW = (
@@ -116,9 +108,9 @@ def sampler_replica(loader: Any) -> tuple[int, int] | None:
 def non_data_parallel_parameter(model: torch.nn.Module, world_size: int) -> str | None:
     """The name of the first ``DTensor`` parameter not laid out by FSDP2 alone over all
     ``world_size`` ranks (its mesh has a dimension whose ranks may share batches), else ``None``."""
-    managed = {id(p) for module in model.modules() if isinstance(module, FSDPModule) for p in module.parameters()}
+    managed = _fsdp2_managed(model)
     for name, param in model.named_parameters():
-        if isinstance(param, DTensor) and (id(param) not in managed or not _fsdp_placements(param, world_size)):
+        if is_dtensor(param) and (id(param) not in managed or not _fsdp_placements(param, world_size)):
             return name
     return None
 
@@ -133,11 +125,12 @@ def sharded_rank_groups(model: torch.nn.Module | None) -> dict[tuple[int, ...], 
     the tensor-parallel size at any world size (all of a mesh's groups would be O(N) per rank, O(N^2) received)."""
     if model is None:
         return {}
-    managed = {id(p) for module in model.modules() if isinstance(module, FSDPModule) for p in module.parameters()}
+    managed = _fsdp2_managed(model)
     groups: dict[tuple[int, ...], tuple[str, int]] = {}
     for name, param in model.named_parameters():
-        if not isinstance(param, DTensor) or id(param) in managed:
+        if not is_dtensor(param) or id(param) in managed:
             continue
+        Shard = _placements()[1]
         ranks, coordinate = param.device_mesh.mesh, param.device_mesh.get_coordinate()
         if coordinate is None:  # this rank is outside the parameter's mesh
             continue
@@ -186,6 +179,7 @@ def _own_replica(loader: Any, model: torch.nn.Module, ctx: DistContext, stated: 
 
 def _fsdp_placements(param: Any, world_size: int) -> bool:
     """FSDP2's own layout over every rank: ``Shard`` on a 1-D mesh, or HSDP's ``(Replicate, Shard)``."""
+    Replicate, Shard = _placements()
     placements = tuple(param.placements)
     if param.device_mesh.size() != world_size:
         return False
@@ -196,3 +190,20 @@ def _fsdp_placements(param: Any, world_size: int) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fsdp2_managed(model: torch.nn.Module) -> set[int]:
+    """``id`` of every parameter of an FSDP2 (``fully_shard``) module; none when FSDP2 was never imported."""
+    fsdp = loaded_class("torch.distributed.fsdp", "FSDPModule") or loaded_class("torch.distributed._composable.fsdp", "FSDPModule")  # torch < 2.6
+    if fsdp is None:
+        return set()
+    return {id(p) for module in model.modules() if isinstance(module, fsdp) for p in module.parameters()}
+
+
+def _placements() -> tuple[type, type]:
+    """DTensor's ``Replicate`` and ``Shard``, asked only of a ``DTensor`` (its package is loaded then)."""
+    try:
+        from torch.distributed.tensor import Replicate, Shard
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import Replicate, Shard
+    return Replicate, Shard

@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))  # bench/ is a top-level package of the repository
 from bench.common import parse_size  # noqa: E402
 from bench.goodput import LogTail, summarise  # noqa: E402
 from bench.report import CI_KEYS, KEYS, LOADED_PREFIX  # noqa: E402
-from bench.stats import controlled_overhead, median_interval, paired_overhead  # noqa: E402
+from bench.stats import controlled_overhead, cost_fraction, mean_interval, median_interval, paired_overhead  # noqa: E402
 
 
 def test_size_option_accepts_bytes_and_binary_suffixes_and_names_itself_on_bad_input():
@@ -84,6 +84,26 @@ def test_a_burst_spanning_rows_widens_the_block_bootstrap_interval_and_the_no_op
     # results written before the control arm existed: the bare step stays the control
     old = controlled_overhead([{"none": 1.0, "x": 1.01}, {"none": 1.0, "x": 1.03}], "x")
     assert old["control"] == "none" and old["aa"] is None and old["value"] == pytest.approx(0.02)
+
+
+def test_a_direct_cost_is_its_mean_over_the_median_step_with_the_wide_interval():
+    # 40 chunks of boundaries costing 10 us, a burst of 4 chunks at 50 us; steps of 5 ms (median)
+    costs = [50e-6 if 10 <= i < 14 else 10e-6 for i in range(40)]
+    steps = [5e-3] * 199 + [9e-3]
+    mean = mean_interval(costs)
+    assert mean["mean"] == pytest.approx(14e-6) and mean["block"] == 4 and mean["ci_low"] < 14e-6 < mean["ci_high"]
+    assert mean_interval(costs) == mean  # seeded
+    got = cost_fraction(costs, steps, extra=1e-4)
+    assert got["value"] == pytest.approx(14e-6 / 5e-3 + 1e-4)
+    assert got["ci_low"] == pytest.approx(mean["ci_low"] / 5e-3 + 1e-4) and got["ci_high"] == pytest.approx(mean["ci_high"] / 5e-3 + 1e-4)
+    assert cost_fraction([1e-6], [5e-3])["ci_high"] is None  # one chunk: no interval
+    # the timing's own cost (a no-op timed alike: 4 us) is subtracted, its interval carried into the figure's
+    based = cost_fraction(costs, steps, baseline=[4e-6] * 39 + [8e-6])
+    base = mean_interval([4e-6] * 39 + [8e-6])
+    assert based["value"] == pytest.approx((14e-6 - 4.1e-6) / 5e-3)
+    assert based["step_s"]["ci_low"] == based["step_s"]["ci_high"] == 5e-3  # the middle steps are all 5 ms
+    assert based["ci_low"] == pytest.approx((mean["ci_low"] - base["ci_high"]) / 5e-3)
+    assert based["ci_high"] == pytest.approx((mean["ci_high"] - base["ci_low"]) / 5e-3)
 
 
 def test_log_tail_counts_only_rows_past_the_resume_point_after_the_log_is_rewritten(tmp_path):
@@ -169,6 +189,10 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
         "sync save, FSDP2 2 ranks (safetensors)",
         "sharded save vs DCP save",
         "watchdog: progress reports, 3 interleaved rows",
+        "stop agreement, ours k=auto (default), timed directly: 200 calls x 1 per step",
+        "watchdog: progress reports, timed directly: 200 calls x 1 per step",
+        "  calibration: k=1 (a round every step), timed directly",
+        "restart -> first step, ours (digits, 2 ranks",
         "watchdog detection, a rank hung in a step",
         "watchdog detection, a rank SIGKILLed",
         "watchdog detection, a rank SIGSTOPped",
@@ -204,6 +228,26 @@ def test_quick_bench_prints_the_table_and_writes_every_figure_with_raw_times(tmp
     assert agreement["pass"] == (agreement["ci_high"] <= 0.01 and agreement["stop_latency_s"]["auto"] <= 1.0)
     assert doc["agreement_overhead_fraction"]["step_s"]["none"] > 0
     assert doc["agreement_overhead_fraction"]["stop_latency_steps"]["k1"] >= 1
+    # the boundary calls timed directly: 200 per rank and measurement, over the median step of the same run
+    for key in ("agreement_direct_overhead_fraction", "watchdog_direct_overhead_fraction"):
+        direct = doc[key]
+        assert direct["calls"] == 200 and direct["calls_per_step"] == 1 and len(direct["ranks"]) == 2, (key, direct)
+        assert direct["call_s"] > 0 and direct["step_s"]["median"] > 0 and direct["ci_low"] <= direct["value"] <= direct["ci_high"], (key, direct)
+        assert (doc[f"{key}_ci_low"], doc[f"{key}_ci_high"]) == (direct["ci_low"], direct["ci_high"])
+        assert direct["pass"] == (direct["ci_high"] <= 0.01)
+    agreement_direct = doc["agreement_direct_overhead_fraction"]
+    assert all(r["threads"] >= 1 for r in agreement_direct["ranks"])  # gloo's threads were found
+    assert agreement_direct["thread_cpu_s"] > 0 and agreement_direct["k1_calibration"]["direct"] is not None  # the rounds' CPU is charged
+    assert doc["watchdog_direct_overhead_fraction"]["launcher_cpu_per_s"] > 0  # the launcher's reads are charged
+    # restart -> first step, phase by phase; ours against 0.5 s + the load's own time of the same trial
+    restart = doc["restart_ours_s"]
+    assert restart["ours_phases"] == ["import_resilience", "config", "build_loop", "resume"] and len(restart["rounds"]) == 1
+    phases = doc["details"]["restart"]["trials"][0]["phases_s"]  # per rank
+    assert restart["value"] == pytest.approx(max(sum(p[k] for k in restart["ours_phases"]) for p in phases))
+    assert all(restart["phases_s"][k] > 0 for k in ("interpreter", "torch", "import_resilience", "build_loop", "resume", "first_step"))
+    assert 0.5 < restart["budget_s"] == doc["restart_budget_s"] < 1.5 and restart["load_own_s"] > 0
+    assert restart["restart_to_first_step_s"] > restart["value"]
+    assert "torch.distributed.checkpoint" not in restart["heavy_modules"]["resilience"]  # DCP is not imported with the library
     watchdog = doc["watchdog_overhead_fraction"]
     assert watchdog["ab"]["n"] == 3 and _within_rows(watchdog)
     assert watchdog["ab"]["stalls_seen"] == 0  # the launcher-side reads ran beside the pairs and saw no stall

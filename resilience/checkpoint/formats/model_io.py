@@ -10,7 +10,8 @@
       hf_metadata/            config.json, generation_config.json, tokenizer files (HF objects only)
       consolidated/           the Hugging Face bundle, when checkpoint.save_consolidated asks for it
 
-Keys are plain module FQNs (no ``module.`` prefix), via ``torch.distributed.checkpoint.state_dict``.
+Keys are plain module FQNs (no ``module.`` prefix), as ``torch.distributed.checkpoint.state_dict`` names
+them (:mod:`~resilience.checkpoint.formats.state_dicts`).
 Tied weights (two keys, one tensor: ``head.weight`` is ``emb.weight``) are stored once, under the
 key a Hugging Face model keeps (``save_pretrained`` drops the tied ``lm_head.weight``; otherwise the
 first in state-dict order), with the tie recorded in ``shard_index.json`` as
@@ -47,16 +48,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor
 
 from resilience.checkpoint.formats import balanced_load, hf_export, pieces, shard_files, sharded_model
 from resilience.checkpoint.formats import consolidate as consolidation
 from resilience.checkpoint.formats.plan_cache import LayoutCache
+from resilience.checkpoint.formats.state_dicts import get_model_state_dict, set_model_state_dict
 from resilience.checkpoint.layout import (
     ADAPTER_CONFIG,
     CONSOLIDATE_SH,
@@ -69,11 +65,11 @@ from resilience.checkpoint.layout import (
     SHARD_INDEX,
     model_shard_name,
 )
-from resilience.checkpoint.storage import dcp_io
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.checkpoint.storage.safetensors_file import read_safetensors
 from resilience.distributed import DistContext
+from resilience.sharded_types import is_dtensor
 
 log = logging.getLogger("resilience.checkpoint")
 
@@ -207,7 +203,7 @@ def tied_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict
     for key, t in state.items():
         if not isinstance(t, torch.Tensor):
             continue
-        local = t.to_local() if isinstance(t, DTensor) else t  # a sharded tie shares its local shard
+        local = t.to_local() if is_dtensor(t) else t  # a sharded tie shares its local shard
         if local.numel() == 0:
             continue  # empty tensors may all report the same null data pointer
         view = (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), local.stride(), t.dtype)
@@ -244,6 +240,8 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, ch
     if (model_dir / ADAPTER_CONFIG).is_file():
         hf_export.load_adapter(model_dir, model)
     elif (model_dir / DCP_METADATA).is_file():
+        from resilience.checkpoint.storage import dcp_io  # DCP, imported only for DCP's files
+
         state = get_model_state_dict(model)
         dcp_io.load_tensors(state, model_dir, group=group)
         set_model_state_dict(model, state)
@@ -318,6 +316,8 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # -- torch_save: DCP -------------------------------------------------------------------------------
 def _save_dcp(staging: Path, state: dict[str, torch.Tensor], *, rank: int, group: Any) -> list[FileRecord]:
+    from resilience.checkpoint.storage import dcp_io  # DCP, imported only for DCP's files
+
     return [rec.under(MODEL_DIR) for rec in dcp_io.save_tensors(state, staging / MODEL_DIR, rank=rank, group=group)]
 
 

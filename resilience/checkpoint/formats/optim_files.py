@@ -40,11 +40,7 @@ from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.checkpoint.storage.safetensors_file import read_safetensors, write_safetensors
 from resilience.distributed import DistContext
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor
+from resilience.sharded_types import any_dtensor, is_dtensor
 
 STORAGE = "safetensors"  # skeleton.json's "storage" for these files (absent: DCP's)
 
@@ -56,7 +52,7 @@ def replicated(tensors: dict[str, torch.Tensor], world_size: int, gather: Callab
     the fingerprints are compared through it; else, when ``world_size > 1``, all-gathered through
     ``gather`` (every rank receives N fingerprints); with neither, False. The same answer on
     every rank."""
-    sharded = any(isinstance(t, DTensor) for t in tensors.values())
+    sharded = any_dtensor(tensors.values())
     if world_size == 1 or (gather is None and same is None):
         return not sharded and world_size == 1
     mine = None if sharded else xxhash.xxh3_128_hexdigest(json.dumps([[key, list(t.shape), str(t.dtype)] for key, t in tensors.items()]).encode())
@@ -113,7 +109,7 @@ def load(
         for key, spec in wanted.items():
             specs.setdefault(f"{OPTIM_DIR}/{spec['file']}", {})[key] = (getattr(torch, spec["dtype"]), list(spec["shape"]))
         rels = stream_files("optim", check, [f"{OPTIM_DIR}/{name}" for name in skeleton["files"]])
-        got = stream_load(balanced, directory, rels, specs, {k: t for k, t in targets.items() if not isinstance(t, DTensor)}, check)
+        got = stream_load(balanced, directory, rels, specs, {k: t for k, t in targets.items() if not is_dtensor(t)}, check)
         with torch.no_grad():
             for key, t in got.items():
                 targets[key] = _place(targets[key], t) if key in targets else t
@@ -121,7 +117,7 @@ def load(
     found: set[str] = set()
     for name in skeleton["files"]:
         rel = f"{OPTIM_DIR}/{name}"
-        inplace = {key: t for key, t in targets.items() if wanted.get(key, {}).get("file") == name and not isinstance(t, DTensor)}
+        inplace = {key: t for key, t in targets.items() if wanted.get(key, {}).get("file") == name and not is_dtensor(t)}
         hasher = check.claim(rel) if check is not None else None  # digest the bytes as they pass
         got = read_safetensors(directory / rel, inplace, digest=hasher)
         if hasher is not None:
@@ -140,11 +136,11 @@ def _place(target: torch.Tensor, loaded: torch.Tensor) -> torch.Tensor:
     """``loaded``'s values in ``target`` when it can hold them (the target returned), else ``loaded``."""
     if loaded is target:
         return target
-    if isinstance(target, DTensor) and list(target.shape) == list(loaded.shape):
+    if is_dtensor(target) and list(target.shape) == list(loaded.shape):
         block = block_of(target)
         local_tensor(target).copy_(loaded[tuple(slice(o, o + n) for o, n in zip(block.offsets, block.shape))])
         return target
-    if not isinstance(target, DTensor) and target.shape == loaded.shape and target.dtype == loaded.dtype:
+    if not is_dtensor(target) and target.shape == loaded.shape and target.dtype == loaded.dtype:
         target.copy_(loaded)
         return target
     return loaded

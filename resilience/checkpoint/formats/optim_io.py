@@ -22,22 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor
 
 from resilience.checkpoint.formats import optim_files, optim_shards
 from resilience.checkpoint.formats.plan_cache import LayoutCache
+from resilience.checkpoint.formats.state_dicts import get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from resilience.checkpoint.layout import DCP_METADATA, LR_SCHEDULER, OPTIM_DIR, SKELETON
-from resilience.checkpoint.storage import dcp_io
 from resilience.checkpoint.storage.content_check import ContentCheck
-from resilience.checkpoint.storage.dcp_io import UnsafeCheckpointError  # noqa: F401  (re-exported)
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.config.checks import ConfigError
 from resilience.distributed import DistContext
+from resilience.sharded_types import any_dtensor, is_dtensor
 from resilience.state import tagged_json
 
 log = logging.getLogger("resilience.checkpoint")
@@ -110,7 +104,7 @@ def capture_optimizer(
     tensors, skeleton = _split(get_optimizer_state_dict(model, optimizer) if state is None else state)
     if optim_files.replicated(tensors, world_size, gather, same):
         skeleton["storage"] = optim_files.STORAGE
-    elif any(isinstance(t, DTensor) for t in tensors.values()):
+    elif any_dtensor(tensors.values()):
         optim_shards.capture(tensors, skeleton, rank=rank, world_size=world_size, gather=gather or (lambda obj: [obj]), cache=cache)
     return tensors, skeleton
 
@@ -138,6 +132,8 @@ def save_optimizer(
     """
     tensors, skeleton = captured
     if uses_dcp(captured):
+        from resilience.checkpoint.storage import dcp_io  # DCP, imported only for DCP's files
+
         written: list[str | FileRecord] = [rec.under(OPTIM_DIR) for rec in dcp_io.save_tensors(tensors, staging / OPTIM_DIR, rank=rank, group=group)]
     elif skeleton.get("storage") == optim_shards.STORAGE:
         written = list(optim_shards.save(staging, tensors, skeleton, rank))
@@ -209,6 +205,8 @@ def load_optimizer(
     if skeleton.get("storage") == optim_shards.STORAGE:
         optim_shards.load(directory, skeleton, tensors)  # each rank reads the pieces overlapping its blocks
     elif (directory / OPTIM_DIR / DCP_METADATA).is_file():
+        from resilience.checkpoint.storage import dcp_io  # DCP, imported only for DCP's files
+
         dcp_io.load_tensors(tensors, directory / OPTIM_DIR, group=group)
     else:
         optim_files.load(directory, skeleton, tensors, check, balanced)
@@ -295,7 +293,7 @@ def _target(param: Any, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """A new load target of ``shape`` and ``dtype`` for a state entry of ``param``: a ``DTensor``
     laid out like ``param`` when it is one of the same global shape (Adam's moments), else a
     plain tensor (a step counter, or a replicated model's state)."""
-    if isinstance(param, DTensor) and list(param.shape) == shape:
+    if is_dtensor(param) and list(param.shape) == shape:
         return torch.empty_like(param, dtype=dtype)
     return torch.empty(shape, dtype=dtype)
 

@@ -28,12 +28,18 @@ from typing import Any
 import torch
 
 from resilience.checkpoint.balance import balance
-from resilience.checkpoint.formats.shard_rule import STRIDED_SHARD, DTensor, Rule, balance_replicas, rule_of
+from resilience.checkpoint.formats.shard_rule import Rule, balance_replicas, rule_of, strided_shard
+from resilience.sharded_types import any_dtensor, is_dtensor
 
-try:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+
+def _local_shape_and_offset(t: Any) -> tuple[Any, Any]:
+    """torch's ``compute_local_shape_and_global_offset`` for a ``DTensor`` (imported at its first
+    use: a ``DTensor`` exists, so its package is loaded already)."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+    return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,20 +65,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a ``DTensor``'s local shard, a plain tensor itself (detached)."""
-    return t.to_local().detach() if isinstance(t, DTensor) else t.detach()
+    return t.to_local().detach() if is_dtensor(t) else t.detach()
 
 
 def block_of(t: torch.Tensor) -> Block:
     """The block of ``t``'s global tensor this rank holds (see the module docstring)."""
-    if isinstance(t, DTensor):
-        shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if is_dtensor(t):
+        shape, offsets = _local_shape_and_offset(t)
         return Block(tuple(t.shape), tuple(offsets), tuple(shape), dtype_name(t.dtype))
     return Block(tuple(t.shape), (0,) * t.dim(), tuple(t.shape), dtype_name(t.dtype))
 
 
 def is_sharded(state: dict[str, Any]) -> bool:
     """True when any value of ``state`` is a ``DTensor``."""
-    return any(isinstance(t, DTensor) for t in state.values())
+    return any_dtensor(state.values())
 
 
 def unsupported(state: dict[str, Any]) -> str | None:
@@ -81,8 +87,8 @@ def unsupported(state: dict[str, Any]) -> str | None:
     FSDP2 over tensor parallel shards a TP shard again (``_StridedShard``): accepted, as its
     blocks are contiguous in the layouts torch builds; :func:`make_plan` checks they tile."""
     for key, t in state.items():
-        if isinstance(t, DTensor):
-            odd = [p for p in t.placements if not (p.is_shard() or p.is_replicate() or isinstance(p, STRIDED_SHARD))]
+        if is_dtensor(t):
+            odd = [p for p in t.placements if not (p.is_shard() or p.is_replicate() or isinstance(p, strided_shard()))]
             if odd:
                 return f"{key} is a DTensor with placement {odd[0]!r} (only Shard and Replicate placements hold storable values)"
     return None
@@ -138,7 +144,7 @@ def make_plan(state: dict[str, torch.Tensor], *, rank: int, world_size: int, gat
     rules = rules_of(state, world_size)
     rest = {key: block_of(t) for key, t in state.items() if rules[key] is None}
     for key, rule in rules.items():
-        if rule is not None and isinstance(state[key], DTensor):
+        if rule is not None and is_dtensor(state[key]):
             block = block_of(state[key])
             if rule.block(block.global_shape, rank) != (block.offsets, block.shape):
                 raise ValueError(f"{key}: rank {rank} holds the block at {list(block.offsets)} of shape {list(block.shape)}, not its rule's {rule}")
@@ -155,7 +161,7 @@ def layout_fingerprint(state: dict[str, torch.Tensor], world_size: int) -> str:
     shapes and world size (and whether each tensor has a sharding rule); O(tensors)."""
     h = hashlib.sha256(str(world_size).encode())
     for key, t in state.items():
-        where = (tuple(t.device_mesh.shape), tuple(repr(p) for p in t.placements)) if isinstance(t, DTensor) else None
+        where = (tuple(t.device_mesh.shape), tuple(repr(p) for p in t.placements)) if is_dtensor(t) else None
         h.update(repr((key, tuple(t.shape), str(t.dtype), where)).encode())
     return h.hexdigest()
 

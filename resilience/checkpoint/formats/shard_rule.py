@@ -28,14 +28,13 @@ from typing import Any
 
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor
-try:
-    from torch.distributed.tensor.placement_types import _StridedShard as STRIDED_SHARD
-except ImportError:  # torch without it
-    STRIDED_SHARD = ()
+from resilience.sharded_types import DTENSOR_MODULE, is_dtensor, loaded_class
+
+
+def strided_shard() -> type | tuple[()]:
+    """torch's ``_StridedShard`` placement (FSDP2 over tensor parallel), ``()`` where torch has none;
+    asked only of a ``DTensor``, so its module is loaded already."""
+    return loaded_class(f"{DTENSOR_MODULE}.placement_types", "_StridedShard") or ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,14 +194,15 @@ def rule_of(t: torch.Tensor, world_size: int) -> Rule | None:
     or ``None`` when it has none (then its pieces come from every rank's blocks)."""
     if math.prod(t.shape) == 0:
         return None
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return Rule((world_size,), (None,))
     mesh = t.device_mesh
     if mesh.size() != world_size or not _ordered(mesh):
         return None
     dims: list[int | None] = []
+    strided = strided_shard()
     for p in t.placements:
-        if STRIDED_SHARD and isinstance(p, STRIDED_SHARD):
+        if strided and isinstance(p, strided):
             return None
         if p.is_shard():
             dims.append(p.dim)
