@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from resilience.announce import announce
 from resilience.checkpoint import Checkpointer, SaveReason, TrainingState
 from resilience.checkpoint.formats.optim_io import ParamGroupsChanged
 from resilience.checkpoint.layout import TRAINING_LOG, VALIDATION_LOG
@@ -329,11 +330,11 @@ class ResilientLoop:
         directory = self.resumed_from = restored.directory
         if restored.weights_only:  # no_load_optim: weights from load_path/restore_from, all else fresh
             self._truncate_logs(0)
-            log.info("rank %d: loaded the weights of %s (no_load_optim); training starts at step 0", self.ctx.rank, directory)
+            announce(log, "loaded the weights of %s (no_load_optim); training starts at step 0", directory, rank=self.ctx.rank)
             return None
         self.scheduler.load_state_dict(restored.step_scheduler)
         self._truncate_logs(self.scheduler.global_step)
-        log.info("rank %d: resumed from %s (global step %d)", self.ctx.rank, directory.name, self.scheduler.global_step)
+        announce(log, "resumed from %s (global step %d, epoch %d)", directory, self.scheduler.global_step, self.scheduler.epoch, rank=self.ctx.rank)
         return restored
 
     def _truncate_logs(self, global_step: int) -> None:

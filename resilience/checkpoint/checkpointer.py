@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 import torch
 
+from resilience.announce import announce
 from resilience.checkpoint.async_writer import AsyncWriter
 from resilience.checkpoint.formats.plan_cache import LayoutCache
-from resilience.checkpoint.layout import checkpoint_name
+from resilience.checkpoint.layout import LATEST, checkpoint_name
 from resilience.checkpoint.loading import Restored
 from resilience.checkpoint.parts import Part, checkpoint_parts, epoch_of
 from resilience.checkpoint.policy import retention
@@ -254,6 +255,7 @@ class Checkpointer(Resuming):
         ``ctx`` (the background writer's group for an asynchronous save, run in its thread).
         Returns the published directory; raises ``CheckpointSaveError`` on every rank when any
         step failed anywhere (``LATEST`` is then unchanged, unless only the steps after it failed)."""
+        started = time.monotonic()
         written = write_checkpoint(ctx, self.root, name, parts)  # every rank's files durable, or raise
         error, victims = None, []
         if ctx.rank == 0:
@@ -267,6 +269,10 @@ class Checkpointer(Resuming):
                 except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
                     error = f"after publishing (the checkpoint itself is published): {describe_failure(exc)}"
         victims = raise_publish_verdict(ctx, name, error, victims)
+        if ctx.rank == 0:  # the one-line report of the checkpoint (on stderr without logging set up)
+            took, nbytes = time.monotonic() - started, sum(rec.size for rec in written.mine)
+            wrote = f"rank 0 wrote {_size(nbytes)} at {_size(nbytes / max(took, 1e-9))}/s"
+            announce(log, "saved %s (%s) in %.2f s; %s; %s -> %s", name, meta.get("reason"), took, wrote, LATEST, name, rank=0)
         if self._retention_window() is not None:  # without retention nothing is deleted: nothing to remember
             self._own_files[name] = [rec.path for rec in written.mine]
         self._delete(ctx, victims)
@@ -383,3 +389,11 @@ class Checkpointer(Resuming):
             layout_cache=self._layout_cache,
             optim_cache=self._optim_cache,
         )
+
+
+def _size(nbytes: float) -> str:
+    """``nbytes`` for a person: ``812 B``, ``3.4 MB``, ``1.20 GB`` (decimal units, as disks are sold)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"

@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from resilience.announce import announce
 from resilience.checkpoint import Checkpointer, SaveReason
 from resilience.checkpoint.parts import external_parts
 from resilience.checkpoint.policy import progress_guard
@@ -233,7 +234,7 @@ class TrainerSession:
         if found is not None:
             self.resumed_meta = self.checkpointer.adopt(found)
             if self.ctx.rank == 0:
-                log.info("resuming from %s (global step %s)", found, self.resumed_meta.get("global_step"))
+                announce(log, "resuming from %s (global step %s)", found, self.resumed_meta.get("global_step"), rank=0)
         self.resumed_from = found
         if progress_guard.must_end_for(self.config.checkpoint, self.ctx, self.root, found):
             self.exit_code = ExitCode.NO_PROGRESS
