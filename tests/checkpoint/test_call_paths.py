@@ -1,7 +1,7 @@
 """The save and the resume read top to bottom: traced on a real run, every call between the
 package's modules goes down (the graph of "module A called a function of module B" has no cycle:
 no callback climbs back into a caller's module), and the loop reaches the checkpoint package only
-through ``Checkpointer``. The README's "How it works" walks the same path.
+through ``Checkpointer``. docs/how-it-works.md walks the same path.
 
 Traced with ``sys.setprofile``/``threading.setprofile`` (the parts' writer thread included), on
 one process: Linear + SGD with momentum, a periodic save at step 2 and the final save at step 4

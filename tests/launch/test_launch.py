@@ -634,7 +634,7 @@ def test_a_stop_signal_held_for_ranks_that_never_get_ready_is_delivered_after_th
 def test_a_rank_stopping_in_its_own_handler_while_the_other_dies_of_the_signal_after_the_hold_is_a_preemption(tmp_path, cli, handler_exit):
     """TERM to the launcher: rank 0 (its own handler) gets it at once and exits 75 or 0, rank 1 (no
     handler) gets it after the hold and dies of it. [75, -15] and [0, -15] were a failure (exit 1, no
-    requeue) although the README promises exit 75 then."""
+    requeue) although docs/stopping.md promises exit 75 then."""
     worker = write_worker(tmp_path, NO_LOOP_WORKER)
     env = {"OMP_NUM_THREADS": "1", "HANDLER_EXIT": str(handler_exit)}
     launcher = cli("-n", "2", "--signal-hold-timeout", "1", worker, str(tmp_path), env=env)
