@@ -69,6 +69,14 @@ def load_rng_state(path: Path) -> None:
     tensors = load_file(str(path))
     with safe_open(str(path), framework="pt") as fh:
         meta = fh.metadata()
+    restore_rng_state((tensors, meta))
+
+
+def restore_rng_state(captured: tuple[dict[str, torch.Tensor], dict[str, str]]) -> None:
+    """Set this process's RNG states to a :func:`capture_rng_state` snapshot (or what
+    :func:`load_rng_state` read); CUDA states for as many devices as both have. Extra header
+    entries (a data position) are ignored."""
+    tensors, meta = captured
     py = json.loads(meta["python"])
     random.setstate((py["version"], tuple(int(x) for x in tensors["python"].tolist()), py["gauss_next"]))
     npm = json.loads(meta["numpy"])
