@@ -174,3 +174,17 @@ def root_location(text: str | os.PathLike) -> Location:
     if is_object_url(text):
         return ObjectPath(open_store(str(text)), "", "dir")
     return Path(text).absolute()
+
+
+def to_wire(path: Location) -> str | tuple[str, str, str]:
+    """``path`` in a form a collective can send (a store's client is not picklable): the local
+    path's string, or ``("object", url, rel)``; :func:`from_wire` is its inverse. Never ``str()`` of
+    an :class:`ObjectPath` turned back with ``Path()``: that would be a local folder named after the URL."""
+    return ("object", path.store.url, path.rel) if isinstance(path, ObjectPath) else str(path)
+
+
+def from_wire(wire: str | tuple[str, str, str]) -> Location:
+    """The location :func:`to_wire` sent."""
+    if isinstance(wire, tuple):
+        return ObjectPath(open_store(wire[1]), wire[2])
+    return Path(wire)

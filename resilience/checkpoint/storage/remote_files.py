@@ -12,6 +12,7 @@ not) serve them with range GETs (:func:`source_of`). An :class:`ObjectPath` is s
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import threading
 from collections.abc import Iterable, Iterator
@@ -40,16 +41,54 @@ class RemoteFile:
             raise ValueError(f"{self.store.url_of(self.rel)}: {len(data)} bytes from {offset}, expected {len(view)} (shorter than its manifest size)")
         view[:] = data
 
+    def length(self) -> int:
+        """The object's size (``size``, else one HEAD). Raises ``FileNotFoundError``, ``StoreError``."""
+        if self.size is not None:
+            return self.size
+        info = self.store.head(self.rel)
+        if info is None:
+            raise FileNotFoundError(f"{self.store.url_of(self.rel)}: no such object")
+        return info.size
+
+    def stream(self) -> io.RawIOBase:
+        """A seekable read-only binary stream over the object, each read one range GET (DCP's reader)."""
+        return _RemoteStream(self)
+
     def chunks(self) -> Iterator[bytes]:
         """The whole object, :data:`_CHUNK` bytes a request."""
-        size = self.size
-        if size is None:
-            info = self.store.head(self.rel)
-            if info is None:
-                raise FileNotFoundError(f"{self.store.url_of(self.rel)}: no such object")
-            size = info.size
+        size = self.length()
         for offset in range(0, size, _CHUNK):
             yield self.store.get_bytes(self.rel, offset, min(_CHUNK, size - offset))
+
+
+class _RemoteStream(io.RawIOBase):
+    """:meth:`RemoteFile.stream`."""
+
+    def __init__(self, remote: RemoteFile):
+        super().__init__()
+        self._remote, self._size, self._pos = remote, remote.length(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(base + offset, 0)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(min(len(view), self._size - self._pos), 0)
+        if n:
+            self._remote.read_into(self._pos, view[:n])
+            self._pos += n
+        return n
 
 
 _registered: dict[str, RemoteFile] = {}
