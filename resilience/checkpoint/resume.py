@@ -203,7 +203,9 @@ class Resuming:
         restored = None
         try:
             with checking_while_loading(self.ctx, directory, manifest, inline=inline, balanced=balanced, checkpoint=checkpoint) as check:
-                restored = load_state(directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check, data_parallel=self.data_parallel)
+                restored = load_state(
+                    directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check, data_parallel=self.data_parallel
+                )
         finally:
             if fetched is not None:
                 fetched.close(keep=restored.rng_file if restored is not None else None)

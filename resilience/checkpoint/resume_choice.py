@@ -18,8 +18,8 @@ from typing import Any
 
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, STAGING_PREFIX, TRASH_PREFIX, list_checkpoints, parse_checkpoint_name
 from resilience.checkpoint.policy.lineage import lineage, meta_of
-from resilience.checkpoint.storage.durable import fsync_dir
 from resilience.checkpoint.policy.orphans import remove_orphans
+from resilience.checkpoint.storage.durable import fsync_dir
 from resilience.checkpoint.storage.manifest import CheckpointInvalid
 from resilience.checkpoint.storage.object_path import ObjectPath
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer

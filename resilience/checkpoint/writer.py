@@ -47,7 +47,6 @@ from resilience.distributed import DistContext
 from resilience.env_names import RANK_MANIFEST_BLOCK_ENV
 
 if TYPE_CHECKING:  # parts.py builds the parts; the writer only runs them
-    from resilience.checkpoint.object_save import Sink
     from resilience.checkpoint.parts import Part
 
 try:  # DCP's CheckpointException derives from BaseException, not Exception
@@ -117,12 +116,12 @@ def rank_manifest_block() -> int:
     return int(raw)
 
 
-def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part], sink: Sink | None = None) -> Written:
+def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part], sink: Any = None) -> Written:
     """Steps 1 to 3: stage ``root/.staging_<name>/``, write every rank's ``parts`` into it, fsync'd
     and digested, write the rank manifests and gather the other file lists to rank 0; a collective
     over ``ctx`` (every rank calls it).
 
-    ``sink``: on object storage, each rank stages in a local directory of its own
+    ``sink`` (an :class:`~resilience.checkpoint.object_save.Sink`): on object storage, each rank stages in a local directory of its own
     (``sink.staging``) and sends its files to the store (``sink.send``) once they are durable, the
     parts that read every rank's files after fetching the peers' (``sink.fetch``); see
     :mod:`resilience.checkpoint.object_save`.
@@ -179,7 +178,7 @@ def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part],
     return Written([rec for recs in gathered for rec in recs], listed + own, {"world_size": ctx.world_size, "block": block})
 
 
-def _send(sink: Sink, records: list[FileRecord]) -> str | None:
+def _send(sink: Any, records: list[FileRecord]) -> str | None:
     """This rank's ``records`` sent to the store (``phase("upload")`` first), or what failed."""
     try:
         phase("upload")
@@ -189,7 +188,7 @@ def _send(sink: Sink, records: list[FileRecord]) -> str | None:
     return None
 
 
-def _fetch(sink: Sink, parts: list[Part]) -> str | None:
+def _fetch(sink: Any, parts: list[Part]) -> str | None:
     """The peers' files ``parts`` read (their ``peers_read`` directories) fetched into this rank's staging, or what failed."""
     try:
         for directory in sorted({d for part in parts for d in part.peers_read}):
