@@ -25,6 +25,7 @@ from typing import Any
 
 from resilience.checkpoint.layout import MANIFEST, needed_to_resume, rank_manifest_file
 from resilience.checkpoint.storage.durable import FileRecord, bytes_digest, entry_digest, file_digest, write_bytes
+from resilience.checkpoint.storage.object_path import ObjectPath
 from resilience.checkpoint.storage.object_store import StoreError
 
 FORMAT_VERSION = 2
@@ -87,9 +88,10 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 def data_dir(directory: Any, doc: dict[str, Any]) -> Any:
     """Where the files of the checkpoint ``directory`` (its parsed manifest ``doc``) lie: the
-    directory itself, or on object storage the save's own prefix (:data:`OBJECTS`, under the root)."""
+    directory itself, or on object storage the save's own prefix (:data:`OBJECTS`, under the root;
+    a local copy of such a checkpoint holds its files in the directory itself)."""
     objects = doc.get(OBJECTS)
-    return directory.parent / objects if objects else directory
+    return directory.parent / objects if objects and isinstance(directory, ObjectPath) else directory
 
 
 # Rank manifests (format 2): each block of ranks' own files.

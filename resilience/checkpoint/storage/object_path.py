@@ -188,3 +188,17 @@ def from_wire(wire: str | tuple[str, str, str]) -> Location:
     if isinstance(wire, tuple):
         return ObjectPath(open_store(wire[1]), wire[2])
     return Path(wire)
+
+
+def url_location(url: str) -> ObjectPath:
+    """A URL given on a command line: the checkpoint root it names (:func:`root_location`), or, when
+    a manifest lies directly under it, that one checkpoint, seen from its root (its parent prefix),
+    so its name and the prefix of its files resolve as the loader's do."""
+    from resilience.checkpoint.layout import MANIFEST
+
+    root = root_location(url)
+    store = root.store
+    if store.prefix and store.head(MANIFEST) is not None:
+        parent, _, name = store.prefix.rpartition("/")
+        return ObjectPath(open_store(f"{store.scheme}://{store.bucket}/{parent}"), name, "dir")
+    return root
