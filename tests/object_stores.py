@@ -140,3 +140,111 @@ def keys(url: str) -> list[str]:
     root = root_location(url)
     assert isinstance(root, ObjectPath)
     return sorted(o.rel for o in root.store.list("")[0])
+
+
+class Proxy:
+    """A TCP forwarder on 127.0.0.1 in front of an endpoint, to make it fail for real: ``mode``
+    ``"pass"`` forwards every connection; ``"refuse"`` closes the listening socket and every open
+    connection (the endpoint stopped); ``"503"`` answers each request ``503 Slow Down`` (S3's
+    throttling) and closes. ``requests`` counts the connections answered 503. Threads, stopped by
+    :meth:`close`."""
+
+    def __init__(self, target: str):
+        host, port = target.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.mode = "pass"
+        self.requests = 0
+        self._conns: list[socket.socket] = []
+        self._lock = __import__("threading").Lock()
+        self._listener: socket.socket | None = None
+        self._listen()
+
+    def _listen(self) -> None:
+        import threading
+
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            if self.mode == "503":
+                threading.Thread(target=self._slow_down, args=(client,), daemon=True).start()
+                continue
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _slow_down(self, client: socket.socket) -> None:
+        with self._lock:
+            self.requests += 1
+        try:
+            client.settimeout(2)
+            client.recv(65536)
+            body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+            client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        except OSError:
+            pass
+        finally:
+            client.close()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def set(self, mode: str) -> None:
+        """Switch to ``mode`` (see the class docstring); ``"refuse"`` drops every connection now."""
+        self.mode = mode
+        if mode == "refuse":
+            self._stop_listening()
+        elif self._listener is None:
+            self._listen()
+        if mode != "pass":
+            with self._lock:
+                conns, self._conns = self._conns, []
+            for s in conns:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def _stop_listening(self) -> None:
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+            except OSError:
+                pass
+            self._listener.close()
+            self._listener = None
+
+    def close(self) -> None:
+        """Stop forwarding and listening."""
+        self.set("refuse")
