@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 import torch
-from object_stores import Proxy, keys, restore_env, set_env
 
+from object_stores import Proxy, keys, restore_env, set_env
 from resilience import resilient_loop
 from resilience.checkpoint import writer
 from resilience.checkpoint.layout import LATEST, LOWEST_VAL, MANIFEST
@@ -133,7 +133,8 @@ def test_a_bucket_run_resumes_exactly_keeps_the_right_checkpoints_and_moves_lowe
     assert committed(url) == ["epoch_0_step_2", "epoch_0_step_7", "epoch_0_step_8"]
     # every object is a committed checkpoint's (the pruned ones' files and the replaced save's are gone)
     prefixes = {read_manifest(root / name)[OBJECTS] for name in committed(url)}
-    assert all(k.split("/")[0] in committed(url) and (k.endswith(MANIFEST) and k.count("/") == 1 or "/".join(k.split("/")[:2]) in prefixes) for k in keys(url) if "/" in k)
+    for k in (k for k in keys(url) if "/" in k):
+        assert k.split("/")[0] in committed(url) and (k.endswith(MANIFEST) and k.count("/") == 1 or "/".join(k.split("/")[:2]) in prefixes), k
     assert {k for k in keys(url) if "/" not in k} == {LATEST, LOWEST_VAL}
     validate(root / "epoch_0_step_8")  # every digest, from the bucket
     assert (tmp_path / "b" / "training.jsonl").exists(), "the logs are local (an object cannot be appended to)"
@@ -180,6 +181,18 @@ def test_orphans_are_removed_at_the_next_start_and_committed_files_are_kept(s3_e
     assert set(keys(url)) == kept | {"notes/readme.txt"}
 
 
+def _at_upload_of_save(number, action):
+    """A fault hook calling ``action()`` as the ``number``-th save of the run starts uploading."""
+    saves = [0]
+
+    def hook(phase):
+        saves[0] += phase == "staging"
+        if phase == "upload" and saves[0] == number:
+            action()
+
+    return hook
+
+
 def test_the_endpoint_failing_mid_save_is_a_save_error_after_bounded_retries_and_latest_is_unchanged(s3_endpoint, tmp_path):
     bucket = s3_endpoint.bucket()
     proxy = Proxy(s3_endpoint.url)
@@ -187,14 +200,8 @@ def test_the_endpoint_failing_mid_save_is_a_save_error_after_bounded_retries_and
     try:
         for mode, step in (("refuse", 2), ("503", 3)):
             url = f"s3://{bucket}/{mode}"
-
-            def stop_endpoint(phase, step=step, mode=mode):
-                if phase == "upload" and saves[-1] == step:
-                    proxy.set(mode)
-
-            saves = [0]
-            hook = lambda phase, f=stop_endpoint: (saves.append(saves[-1] + 1) if phase == "staging" else None, f(phase))  # noqa: E731
-            with pytest.raises(CheckpointSaveError, match=r"epoch_0_step_%d failed while uploading files.*LATEST was not moved" % step):
+            hook = _at_upload_of_save(step, lambda mode=mode: proxy.set(mode))
+            with pytest.raises(CheckpointSaveError, match=rf"epoch_0_step_{step} failed while uploading files.*LATEST was not moved"):
                 run(url, tmp_path / mode, 4, checkpoint={"save_consolidated": False}, hook=hook)
             proxy.set("pass")
             assert root_location(url).store.read_pointer(LATEST) == f"epoch_0_step_{step - 1}"
