@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.layout import ABANDONED_INFIX, BAD_MARKER, LATEST, MANIFEST
+from resilience.checkpoint.layout import ABANDONED_INFIX, BAD_MARKER, LATEST, MANIFEST, STAGING_PREFIX
 from resilience.checkpoint.policy.lineage import is_checkpoint_named
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.checkpoint.storage.manifest import OBJECTS, write_manifest
@@ -85,7 +85,7 @@ class Sink:
         """The sink of save ``save_id`` (rank 0's ``checkpoint_id``, the same on every rank) of checkpoint ``name``."""
         if not SAVE_ID.match(save_id):
             raise ValueError(f"checkpoint id {save_id!r} is not 32 hex digits")
-        return cls(root, name, f"{name}/{save_id}", local / f"rank_{rank:05d}" / f".staging_{name}")
+        return cls(root, name, f"{name}/{save_id}", local / f"rank_{rank:05d}" / f"{STAGING_PREFIX}{name}")
 
     def send(self, records: list[FileRecord]) -> None:
         """Upload this rank's files ``records`` (paths relative to the staging directory). Raises ``StoreError``."""
