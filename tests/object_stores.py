@@ -248,3 +248,27 @@ class Proxy:
     def close(self) -> None:
         """Stop forwarding and listening."""
         self.set("refuse")
+
+
+def download_latest(url: str, dest: Path) -> Path:
+    """Copy the checkpoint ``LATEST`` names under ``url`` into ``dest/<name>/`` (laid out as on a
+    filesystem) and point ``dest/LATEST`` at it, so the local readers (``runs.final_weights``,
+    ``sharded_runs.mesh_final_weights``) read it; returns ``dest``."""
+    from resilience.checkpoint.object_tools import download
+
+    name = latest(url)
+    download(root_location(url) / name, dest)
+    link = dest / LATEST
+    if link.is_symlink():
+        link.unlink()
+    link.symlink_to(name)
+    return dest
+
+
+def orphans(url: str) -> list[str]:
+    """Objects under ``url`` that no committed checkpoint names (not a pointer, a manifest, or
+    under the prefix of a committed checkpoint's files)."""
+    root = root_location(url)
+    names = {k.split("/")[0] for k in keys(url) if k.count("/") == 1 and k.endswith("/manifest.json")}
+    prefixes = {read_manifest(root / name).get("objects", name) for name in names}
+    return [k for k in keys(url) if "/" in k and not (k in {f"{n}/manifest.json" for n in names} or any(k.startswith(p + "/") for p in prefixes))]
