@@ -4,10 +4,12 @@ The loaders read local files (safetensors, DCP, JSON). So each rank downloads, i
 directory under ``checkpoint.local_dir``, the files it reads whole: the shared files of the
 manifest (not the Hugging Face bundle), its own (rank state, shards) and the rank state of a
 saved rank whose data position or RNG it continues; at another world size every rank's own files
-(a reshard reads pieces of any of them). Every other file of the checkpoint is served by range
-GETs where it is read by ranges (:mod:`~resilience.checkpoint.storage.remote_files`): a balanced
-load's 1/N of each replicated file (never downloaded whole), DCP's files of other ranks, and the
-files of this rank's digest share it does not read. Digests are checked while loading, as on a
+(a reshard reads pieces of any of them). Every other file of the checkpoint is registered
+(:mod:`~resilience.checkpoint.storage.remote_files`, reading every rank manifest: N/64 small
+GETs per rank): served by range GETs where it is read by ranges (a balanced load's 1/N of each
+replicated file, never downloaded whole; DCP's files of other ranks; the files of this rank's
+digest share it does not read), or downloaded whole when a reader opens it by name (a sharded
+state's piece that another rank wrote). Digests are checked while loading, as on a
 filesystem; what was downloaded is deleted after the load but the RNG file, applied later.
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.formats import balanced_load
-from resilience.checkpoint.layout import DCP_METADATA, DCP_SUFFIX, LR_SCHEDULER, OPTIM_DIR, needed_to_resume, rank_state_file
+from resilience.checkpoint.layout import DCP_METADATA, DCP_SUFFIX, LR_SCHEDULER, OPTIM_DIR, SAFETENSORS_SUFFIX, needed_to_resume, rank_state_file
 from resilience.checkpoint.object_save import transfer
 from resilience.checkpoint.storage import remote_files
 from resilience.checkpoint.storage.manifest import OWNED, all_files, data_dir, ranks_entries
@@ -89,8 +91,9 @@ def _fetch(ctx: DistContext, checkpoint: ObjectPath, manifest: dict[str, Any], l
     listed = {rel: want for rel, want in manifest["files"].items() if needed_to_resume(rel)}
     owned = dict(manifest.get(OWNED, {}))  # this rank's own files (the saved ranks it checks)
     dcp = any(rel.endswith(DCP_METADATA) for rel in listed)
-    # a reshard reads any rank's files, DCP may read another rank's: all of them, by ranges at least
-    others = {rel: want for rel, want in all_files(files_at, manifest).items() if needed_to_resume(rel)} if resized or dcp else {}
+    # any rank's file may be read (a reshard; DCP; a sharded state's pieces written by one holder):
+    # every file is registered, read by ranges or downloaded when first opened (remote_files.ensure_local)
+    others = {rel: want for rel, want in all_files(files_at, manifest).items() if needed_to_resume(rel)}
     streams = {rel for stream in balanced_load.streams(kw["inline"]).values() for rel in stream} if kw["balanced"] else set()
     wanted = {rel: want for rel, want in owned.items() if not (dcp and rel.endswith(DCP_SUFFIX) and resized)}
     for rel, want in listed.items():  # the shared files, but the balanced streams and an optimizer not loaded
@@ -98,6 +101,9 @@ def _fetch(ctx: DistContext, checkpoint: ObjectPath, manifest: dict[str, Any], l
             wanted[rel] = want
     if resized:  # every rank's own files (not DCP's: read by ranges)
         wanted.update({rel: want for rel, want in others.items() if not rel.endswith(DCP_SUFFIX)})
+    # every index and record (a sharded model's shard_index.json is its writer's own file): small, and
+    # the loaders find them by name (is_file, glob); only the tensor files are left to ranges or first use
+    wanted.update({rel: want for rel, want in others.items() if not rel.endswith((DCP_SUFFIX, SAFETENSORS_SUFFIX))})
     layout = kw["data_parallel"] or DataParallel(tuple(range(ctx.world_size)))
     for saved in {position_rank(meta.get("data_parallel_replicas"), saved_world, layout, ctx.rank), ctx.rank % saved_world} - {None}:
         state_file = rank_state_file(saved)  # the data position and RNG this rank continues

@@ -6,7 +6,8 @@ reads by ranges, each rank 1/N of them, are not downloaded: their local paths ar
 (:func:`register`), and the two range readers (``balanced_load.read_range``, and
 :func:`~resilience.checkpoint.storage.durable.file_digest`, which digests a file the loader did
 not) serve them with range GETs (:func:`source_of`). An :class:`ObjectPath` is served the same way
-(``resilience verify`` on a bucket).
+(``resilience verify`` on a bucket). A reader that opens a file by name calls :func:`ensure_local`
+first, which downloads a registered file whole the first time.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class _RemoteStream(io.RawIOBase):
 
 _registered: dict[str, RemoteFile] = {}
 _lock = threading.Lock()
+_download_lock = threading.Lock()
 
 
 def register(local: Path, remote: RemoteFile) -> None:
@@ -106,6 +108,21 @@ def forget(paths: Iterable[Path]) -> None:
     with _lock:
         for path in paths:
             _registered.pop(os.fspath(path), None)
+
+
+def ensure_local(path: Any) -> None:
+    """Before a reader opens ``path`` by name (safetensors' ``safe_open``, ``open``): a registered
+    file not downloaded yet is downloaded whole, now (once; a resume from object storage fetches
+    ahead only the files it knows each rank reads, and a sharded state's pieces may lie in another
+    rank's file). Nothing for a plain local file. Raises ``StoreError``."""
+    with _lock:
+        remote = _registered.get(os.fspath(path)) if _registered else None
+    if remote is None:
+        return
+    with _download_lock:
+        if not os.path.exists(path):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            remote.store.get_file(remote.rel, Path(path))
 
 
 def source_of(path: Any) -> RemoteFile | None:
