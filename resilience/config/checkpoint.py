@@ -73,7 +73,7 @@ class CheckpointConfig:
     local_dir: str | None = None
     """With an object-store ``checkpoint_dir`` only: a local directory for each rank's staged files
     (written, fsync'd and digested there, then uploaded), a resume's downloads, and rank 0's
-    ``training.jsonl``/``validation.jsonl``. Default ``$TMPDIR/resilience-<user>/<bucket>/<prefix>``
+    ``training.jsonl``/``validation.jsonl``. Default ``$TMPDIR/resilience-<user>/<scheme>/<bucket>/<prefix>``
     (node-local scratch). A ``ConfigError`` with a local ``checkpoint_dir``."""
     restore_from: str | None = None
     """A checkpoint directory (absolute, or a name under ``checkpoint_dir``) to resume from instead of
