@@ -17,6 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "digits"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# botocore's credential chain ends with the instance metadata service (a link-local address): the tests
+# never reach for it (a test without credentials gets "no AWS credentials found" at once)
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
 from slurm_cluster import slurm_cluster, slurm_cluster_2nodes  # noqa: E402,F401  (session fixtures)
 
