@@ -97,11 +97,10 @@ class Checkpointer(Resuming):
         self.timer = timer
         self.global_batch_size = global_batch_size
         self.data_parallel = data_parallel
-        self._store_problem: str | None = None
         try:
             self.root = root_location(config.checkpoint_dir)
-        except StoreUnavailable as exc:  # raised as a ConfigError by _check_root, on every rank alike
-            self.root, self._store_problem = Path(config.checkpoint_dir), str(exc)
+        except StoreUnavailable as exc:  # the same configuration on every rank: every rank raises it
+            raise ConfigError(f"checkpoint.checkpoint_dir={config.checkpoint_dir!r}: {exc}") from None
         self.local = local_root(config.local_dir, self.root) if is_object(self.root) else None
         """On object storage: the local directory of each rank's staging and downloads (``checkpoint.local_dir``)."""
         self.run_config = run_config or {}
@@ -155,7 +154,7 @@ class Checkpointer(Resuming):
         """
         if not self.config.enabled:
             return
-        if is_object(self.root) or self._store_problem:
+        if is_object(self.root):
             self._check_store()
         problem = resized = None
         if self.ctx.rank == 0:
@@ -175,12 +174,10 @@ class Checkpointer(Resuming):
         """Object storage: the store is usable (credentials, bucket or profile; rank 0 also writes
         and deletes a probe when saving), checked on every rank; a ``ConfigError`` on every rank
         naming ``checkpoint.checkpoint_dir`` and what was tried, else ``None``."""
-        problem = self._store_problem
-        if problem is None:
-            try:
-                problem = self.root.store.problem(saving=self.config.enable_save and self.ctx.rank == 0)
-            except Exception as exc:  # noqa: BLE001 - a client that cannot even ask is a configuration problem
-                problem = f"{type(exc).__name__}: {exc}"
+        try:
+            problem = self.root.store.problem(saving=self.config.enable_save and self.ctx.rank == 0)
+        except Exception as exc:  # noqa: BLE001 - a client that cannot even ask is a configuration problem
+            problem = f"{type(exc).__name__}: {exc}"
         self.ctx.gather_or_raise(problem, fail=lambda detail: ConfigError(f"checkpoint.checkpoint_dir={self.config.checkpoint_dir!r}: {detail}"))
 
     @property
