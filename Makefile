@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,examples,interop]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,examples,interop,storage]'
 	# shellcheck lints the rendered batch scripts in the tests (skipped where it cannot be had)
 	command -v shellcheck >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck >/dev/null; } || true
@@ -34,11 +34,13 @@ test: lint
 
 # Twice: on the machine as it is, then beside one CPU-busy process (bench/results/latest.json: loaded.*);
 # then the save and resume at 8 to 8,192 simulated ranks (bench/results/scale.json, ~30 min, at low priority);
-# then the stop agreement's round at 1,024 and 8,192 ranks from a gloo hop measured here (bench/results/agreement.json).
+# then the stop agreement's round at 1,024 and 8,192 ranks from a gloo hop measured here (bench/results/agreement.json);
+# then save and load on an S3 endpoint (moto, 127.0.0.1) vs its raw PUT/GET of the same bytes (bench/results/object_store.json).
 bench: $(STAMP)
 	$(PY) -m bench --load
 	nice -n 19 $(PY) -m bench.scale
 	$(PY) -m bench.agreement
+	$(PY) -m bench.object_store
 
 # What only a CUDA device shows (bench/gpu_check.py, < 5 min, never part of `make test`): a 1-rank FSDP2
 # Llama on NCCL preempted and resumed bitwise (CUDA RNG included), the async save's blocked time with

@@ -21,6 +21,10 @@ a surviving rank may finish on its own (it normally fails in its next collective
   uninterrupted reference run of the same mode (two reference runs per mode, made once, which
   must agree with each other first).
 
+``--store s3`` puts the checkpoints on an S3 endpoint started on 127.0.0.1 (moto's server, as the
+tests start it): ``checkpoint_dir: s3://...``, the logs and staging in each trial's ``local/``;
+then nothing may be left that no committed manifest names once the resumed run ends.
+
 ``--model fsdp2`` trains the same model sharded with FSDP2 (``bench/fault_models.py``), so each
 rank writes only its own shards; ``--kill-at-phase PHASE`` replaces the random moment by the
 moment a rank reaches that phase of the second or a later save (``parts``: the ranks writing
@@ -67,7 +71,7 @@ if __package__ in (None, ""):  # `python bench/faults.py`: make `bench` importab
 from bench.fault_models import MODELS  # noqa: E402
 
 MODES = ("sync", "async")
-PUBLISH_PHASES = ("staging", "manifest", "rename", "pointer", "after_publish")
+PUBLISH_PHASES = ("staging", "upload", "manifest", "rename", "pointer", "after_publish")  # upload: object storage only
 STORE_ENV = "FAULTS_STORE_FILE"  # --start fork: the rendezvous file of this run's ranks
 LOG_ENV = "FAULTS_RANK_LOG"  # --start exec: the file a worker sends its stdout and stderr to
 SLOW_PHASE_ENV = "FAULTS_SLOW_PHASE"  # --kill-at-phase: that phase sleeps --phase-sleep too, so the kill lands in it
@@ -133,9 +137,11 @@ def train(ckpt_dir: str, mode: str, events_path: str, phase_sleep_s: float, ever
     writer.fault_hook = hook
     event("start")
 
+    on_store = [f"checkpoint.local_dir={Path(events_path).parent / 'local'}"] if "://" in ckpt_dir else []  # --store s3
     cfg = load_config(
         None,
         [
+            *on_store,
             f"checkpoint.checkpoint_dir={ckpt_dir}",
             f"checkpoint.is_async={'true' if mode == 'async' else 'false'}",
             f"checkpoint.model_save_format={fmt}",
@@ -279,12 +285,15 @@ def _run_to_end(start: str, args: tuple, log_path: Path, timeout: float) -> tupl
 
 
 # -- checking what is on disk ------------------------------------------------------------------
-def torn_checkpoints(root: Path) -> list[str]:
-    """Why ``LATEST`` or a published checkpoint under ``root`` is not complete (empty: all good)."""
+def torn_checkpoints(root: Path | str) -> list[str]:
+    """Why ``LATEST`` or a published checkpoint under ``root`` (a directory, or an ``s3://`` URL)
+    is not complete (empty: all good)."""
     from resilience.checkpoint.layout import LATEST, list_checkpoints
     from resilience.checkpoint.storage.manifest import CheckpointInvalid, validate
+    from resilience.checkpoint.storage.object_path import root_location
     from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 
+    root = root_location(root)
     problems = []
     try:
         latest = read_pointer(root, LATEST)
@@ -305,12 +314,13 @@ def torn_checkpoints(root: Path) -> list[str]:
     return problems
 
 
-def latest_name(root: Path) -> str | None:
+def latest_name(root: Path | str) -> str | None:
     from resilience.checkpoint.layout import LATEST
+    from resilience.checkpoint.storage.object_path import root_location
     from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 
     try:
-        latest = read_pointer(root, LATEST)
+        latest = read_pointer(root_location(root), LATEST)
     except PointerError:
         return None
     return latest.name if latest is not None else None
@@ -324,15 +334,23 @@ class Outcome:
     weights: dict[str, Any]
 
 
-def outcome(root: Path) -> Outcome:
-    """Rows of ``training.jsonl`` and the weights of ``LATEST`` (loaded into an unsharded model,
-    so replicated and sharded runs, in either model format, compare the same way)."""
+def outcome(root: Path | str, logs: Path | None = None) -> Outcome:
+    """Rows of ``training.jsonl`` (in ``logs``, default ``root``) and the weights of ``LATEST``
+    (loaded into an unsharded model, so replicated and sharded runs, in either model format,
+    compare the same way; from a bucket, downloaded first)."""
     from bench.fault_models import final_weights
     from resilience.checkpoint.layout import LATEST
+    from resilience.checkpoint.object_tools import download
+    from resilience.checkpoint.storage.object_path import is_object, root_location
     from resilience.checkpoint.storage.pointers import read_pointer
 
-    rows = [json.loads(line) for line in (root / "training.jsonl").read_text().splitlines() if line.strip()]
-    return Outcome([(r["global_step"], r["loss"], r["lr"]) for r in rows], final_weights(read_pointer(root, LATEST)))
+    location = root_location(root)
+    rows = [json.loads(line) for line in (Path(logs or location) / "training.jsonl").read_text().splitlines() if line.strip()]
+    latest = read_pointer(location, LATEST)
+    if not is_object(latest):
+        return Outcome([(r["global_step"], r["loss"], r["lr"]) for r in rows], final_weights(latest))
+    with tempfile.TemporaryDirectory(prefix="faults-latest-") as tmp:
+        return Outcome([(r["global_step"], r["loss"], r["lr"]) for r in rows], final_weights(download(latest, Path(tmp))))
 
 
 def same(a: Outcome, b: Outcome) -> str | None:
@@ -448,6 +466,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         help="instead of a random moment, kill once a rank reaches PHASE (parts, or one of "
         f"{', '.join(PUBLISH_PHASES)}) of the second or a later save, so a previous LATEST exists",
     )
+    parser.add_argument(
+        "--store",
+        choices=("dir", "s3"),
+        default="dir",
+        help="where the checkpoints go: a local directory (default) or s3://, an S3 endpoint started on 127.0.0.1 (moto)",
+    )
     parser.add_argument("--worker", nargs=7, metavar=("CKPT", "MODE", "EVENTS", "SLEEP", "EVERY", "MODEL", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is None:
@@ -472,11 +496,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _tear(root: Path) -> str | None:
+def _tear(root: Path | str) -> str | None:
     """Truncate the largest file of LATEST's checkpoint by one byte (the ``--tear`` self-test)."""
+    from resilience.checkpoint.storage.manifest import data_dir, read_manifest
+    from resilience.checkpoint.storage.object_path import is_object, root_location
+
     name = latest_name(root)
     if name is None:
         return None
+    if is_object(root_location(root)):
+        files_at = data_dir(root_location(root) / name, read_manifest(root_location(root) / name))
+        largest = max(files_at.store.list(files_at.rel)[0], key=lambda o: o.size)
+        files_at.store.put_bytes(largest.rel, files_at.store.get_bytes(largest.rel)[:-1])
+        return largest.rel
     files = sorted((p for p in (root / name).rglob("*") if p.is_file() and p.name != "manifest.json"), key=lambda p: p.stat().st_size)
     if not files:
         return None
@@ -511,9 +543,57 @@ def main(argv: list[str] | None = None) -> int:
 
     import resilience.checkpoint  # noqa: F401
     import resilience.loop  # noqa: F401 - resilience's names are lazy: import the modules themselves
-    from resilience.checkpoint.layout import STAGING_PREFIX
 
     torch.set_num_threads(1)  # no OpenMP pool in the parent: forked ranks must not inherit one
+    store = _Store.start(args.store)
+    try:
+        return _main(args, store)
+    finally:
+        store.stop()
+
+
+class _Store:
+    """``--store``: where each run's checkpoints go (``location``), where its logs are (``logs``),
+    and what a run may have left (``leftovers``)."""
+
+    def __init__(self, moto: Any = None, bucket: str | None = None, old_env: Any = None) -> None:
+        self.moto, self.bucket, self.old_env = moto, bucket, old_env
+
+    @classmethod
+    def start(cls, kind: str) -> _Store:
+        if kind == "dir":
+            return cls()
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from object_stores import set_env, start_moto  # the tests' endpoint: moto's server, stopped by PID
+
+        moto = start_moto()
+        old = set_env(moto.env())  # the forked (or exec'd) ranks inherit it
+        return cls(moto, moto.bucket(), old)
+
+    def location(self, base: Path) -> str:
+        return f"s3://{self.bucket}/{base.name}" if self.moto else str(base / "ck")
+
+    def logs(self, base: Path) -> Path:
+        return base / "local" if self.moto else base / "ck"
+
+    def leftovers(self, base: Path) -> list[str]:
+        from resilience.checkpoint.layout import STAGING_PREFIX
+
+        if not self.moto:
+            return [p.name for p in (base / "ck").glob(f"{STAGING_PREFIX}*")]
+        from object_stores import orphans
+
+        return orphans(self.location(base)) + [str(p) for p in (base / "local").glob(f"rank_*/{STAGING_PREFIX}*")]
+
+    def stop(self) -> None:
+        if self.moto:
+            from object_stores import restore_env
+
+            restore_env(self.old_env)
+            self.moto.stop()
+
+
+def _main(args: argparse.Namespace, store: _Store) -> int:
     rng = random.Random(args.seed)
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="faults-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -533,12 +613,12 @@ def main(argv: list[str] | None = None) -> int:
             base = work / f"reference-{mode}-{attempt}"
             shutil.rmtree(base, ignore_errors=True)
             base.mkdir()
-            run_args = (str(base / "ck"), mode, str(base / "events"), args.phase_sleep, args.every, args.model, args.model_save_format)
+            run_args = (store.location(base), mode, str(base / "events"), args.phase_sleep, args.every, args.model, args.model_save_format)
             codes, took = _run_to_end(args.start, run_args, base / "log", timeout=300)
             if codes != [0, 0]:
                 print(f"the {mode} reference run failed with {codes}:\n{_tail(base / 'log')}", file=sys.stderr)
                 return 1
-            runs.append((outcome(base / "ck"), took))
+            runs.append((outcome(store.location(base), store.logs(base)), took))
         diff = same(runs[0][0], runs[1][0])
         if diff:
             print(f"two uninterrupted {mode} runs differ ({diff}): the training is not deterministic", file=sys.stderr)
@@ -558,8 +638,8 @@ def main(argv: list[str] | None = None) -> int:
         base = work / f"trial-{trial:04d}"
         shutil.rmtree(base, ignore_errors=True)
         base.mkdir()
-        ckpt, events, log = base / "ck", base / "events", base / "log"
-        run_args = (str(ckpt), mode, str(events), args.phase_sleep, args.every, args.model, args.model_save_format)
+        ckpt, events, log = store.location(base), base / "events", base / "log"
+        run_args = (ckpt, mode, str(events), args.phase_sleep, args.every, args.model, args.model_save_format)
         counts[f"mode {mode}"] += 1
         counts["target " + ("both" if len(target) == 2 else f"rank {target[0]}")] += 1
 
@@ -609,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"trial {trial}: torn after a kill {where} ({phase}){self_test}: {'; '.join(problems)}")
 
         # 3. resume, compare
-        resume_args = (str(ckpt), mode, str(base / "resume.events"), args.phase_sleep, args.every, args.model, args.model_save_format)
+        resume_args = (ckpt, mode, str(base / "resume.events"), args.phase_sleep, args.every, args.model, args.model_save_format)
         resumed, took = _run_to_end(args.start, resume_args, base / "resume.log", timeout=300)
         if latest is None and resumed == [0, 0]:
             durations[mode].append(took)  # it started from scratch: a whole run
@@ -617,11 +697,11 @@ def main(argv: list[str] | None = None) -> int:
         if resumed != [0, 0]:
             verdict = "failed"
             failures.append(f"trial {trial}: the resumed run exited {resumed}:\n{_tail(base / 'resume.log')}")
-        elif list(ckpt.glob(f"{STAGING_PREFIX}*")):
+        elif store.leftovers(base):
             verdict = "failed"
-            failures.append(f"trial {trial}: a staging directory is left after the resumed run")
+            failures.append(f"trial {trial}: left after the resumed run: {store.leftovers(base)}")
         else:
-            diff = same(outcome(ckpt), reference)
+            diff = same(outcome(ckpt, store.logs(base)), reference)
             if diff:
                 verdict = "not exact"
                 failures.append(f"trial {trial}: resumed run differs from the reference: {diff}")
@@ -639,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"start: {args.start}")
     print(f"seed: {args.seed}")
     print(f"model: {args.model} ({args.model_save_format})")
+    print(f"store: {args.store}")
     print(f"modes: sync {counts['mode sync']}, async {counts['mode async']}")
     print(f"killed: rank 0 {counts['target rank 0']}, rank 1 {counts['target rank 1']}, both {counts['target both']}")
     print(f"killed before first save: {counts['before first save']}")

@@ -137,7 +137,7 @@ class ResilientLoop:
         if self.ctx.rank != 0 or not self.config.checkpoint.enabled or not self.config.checkpoint.enable_save:
             return
         row = training_row(self._current_step(), self.scheduler.epoch, metrics)
-        append_jsonl(self.checkpointer.root / TRAINING_LOG, row)
+        append_jsonl(self.checkpointer.log_root / TRAINING_LOG, row)
         self.checkpointer.training_rows.append(row)
 
     def log_validation(self, **metrics: Any) -> None:
@@ -157,7 +157,7 @@ class ResilientLoop:
             return
         step = self._current_step()
         self.checkpointer.record_validation(step, metrics)
-        append_jsonl(self.checkpointer.root / VALIDATION_LOG, {"global_step": step, "epoch": self.scheduler.epoch, **metrics})
+        append_jsonl(self.checkpointer.log_root / VALIDATION_LOG, {"global_step": step, "epoch": self.scheduler.epoch, **metrics})
 
     def _current_step(self) -> int:
         """The global step metrics belong to: the running step inside a body, else the last done."""
@@ -339,7 +339,7 @@ class ResilientLoop:
 
     def _truncate_logs(self, global_step: int) -> None:
         if self.ctx.rank == 0:
-            truncate_logs(self.checkpointer.root, global_step)
+            truncate_logs(self.checkpointer.log_root, global_step)
 
     def _save(self, reason: SaveReason) -> None:
         started = self.timer.clock()

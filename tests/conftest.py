@@ -17,6 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "digits"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# botocore's credential chain ends with the instance metadata service (a link-local address): the tests
+# never reach for it (a test without credentials gets "no AWS credentials found" at once)
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
 from slurm_cluster import slurm_cluster, slurm_cluster_2nodes  # noqa: E402,F401  (session fixtures)
 
@@ -57,3 +60,37 @@ def tmpfs(tmp_path):
     yield mount
     for path in mounted:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1 (a free port), one for the whole session, stopped by its PID at
+    the end; its endpoint and credentials are in ``os.environ`` meanwhile (the ranks inherit them),
+    as boto3 reads them from a user's environment (``AWS_ENDPOINT_URL``, ...). ``s3_endpoint.bucket()``
+    makes a fresh bucket. Skipped where moto is not installed (the ``storage`` extra)."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("boto3")
+    from object_stores import restore_env, set_env, start_moto
+
+    moto = start_moto()
+    old = set_env(moto.env())
+    try:
+        yield moto
+    finally:
+        restore_env(old)
+        moto.stop()
+
+
+@pytest.fixture(scope="session")
+def msc_posix(tmp_path_factory):
+    """An msc configuration (``MSC_CONFIG`` in ``os.environ`` for the session) whose profile
+    ``object_stores.MSC_PROFILE`` stores under a temporary directory: msc's POSIX provider."""
+    pytest.importorskip("multistorageclient")
+    from object_stores import msc_env, restore_env, set_env
+
+    base = tmp_path_factory.mktemp("msc") / "store"
+    old = set_env(msc_env(base))
+    try:
+        yield base
+    finally:
+        restore_env(old)

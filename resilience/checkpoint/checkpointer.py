@@ -17,18 +17,22 @@ from typing import Any, Literal
 import torch
 
 from resilience.announce import announce
+from resilience.checkpoint import object_save
 from resilience.checkpoint.async_writer import AsyncWriter
 from resilience.checkpoint.formats.plan_cache import LayoutCache
 from resilience.checkpoint.layout import LATEST, checkpoint_name
 from resilience.checkpoint.loading import Restored
+from resilience.checkpoint.object_save import Sink, local_root
 from resilience.checkpoint.parts import Part, checkpoint_parts, epoch_of
-from resilience.checkpoint.policy import retention
 from resilience.checkpoint.policy.lowest_val import LowestVal, json_safe, select_metric
+from resilience.checkpoint.policy.pruning import Pruning
 from resilience.checkpoint.policy.root_dir import root_problem
 from resilience.checkpoint.policy.savable import check_savable
 from resilience.checkpoint.policy.world_size import world_size_problem
 from resilience.checkpoint.resume import Resuming
 from resilience.checkpoint.staging import StagingBuffers
+from resilience.checkpoint.storage.object_path import is_object, root_location
+from resilience.checkpoint.storage.object_store import StoreUnavailable
 from resilience.checkpoint.writer import describe_failure, phase, publish, raise_publish_verdict, save_failures, write_checkpoint
 from resilience.config import CheckpointConfig, ConfigError
 from resilience.distributed import DistContext
@@ -42,9 +46,6 @@ from resilience.timing import RunTimer
 __all__ = ["Checkpointer", "Restored", "SaveReason", "TrainingState"]
 
 log = logging.getLogger("resilience.checkpoint")
-
-DELETE_WAIT_S = 10.0
-"""Seconds :meth:`Checkpointer.close` waits for retention's background deletion before it returns."""
 
 SaveReason = Literal["periodic", "preemption", "final"]
 """Why a checkpoint is saved; recorded as ``meta.reason`` in its manifest."""
@@ -97,7 +98,12 @@ class Checkpointer(Resuming):
         self.timer = timer
         self.global_batch_size = global_batch_size
         self.data_parallel = data_parallel
-        self.root = Path(config.checkpoint_dir).absolute()
+        try:
+            self.root = root_location(config.checkpoint_dir)
+        except StoreUnavailable as exc:  # the same configuration on every rank: every rank raises it
+            raise ConfigError(f"checkpoint.checkpoint_dir={config.checkpoint_dir!r}: {exc}") from None
+        self.local = local_root(config.local_dir, self.root) if is_object(self.root) else None
+        """On object storage: the local directory of each rank's staging and downloads (``checkpoint.local_dir``)."""
         self.run_config = run_config or {}
         self.run_id = run_id
         """This run's id (``save_max`` tells this run's checkpoints by it); see :meth:`_run_id`."""
@@ -119,9 +125,7 @@ class Checkpointer(Resuming):
         self._async: AsyncWriter | None = None
         self._async_ctx: DistContext | None = None
         self._buffers = StagingBuffers()
-        self._deleter = retention.Deleter()
-        self._own_files: dict[str, list[str]] = {}
-        """This rank's files (relative paths) of each checkpoint this process saved: retention deletes them."""
+        self._pruning = Pruning(config, self.root)
         self._layout_cache = LayoutCache(enabled=config.save_global_layout_cache)
         """The model's save plan and index, reused while its layout is unchanged (plan_cache.py)."""
         self._optim_cache = LayoutCache(enabled=config.save_global_layout_cache)
@@ -151,9 +155,11 @@ class Checkpointer(Resuming):
         """
         if not self.config.enabled:
             return
+        if is_object(self.root):
+            self._check_store()
         problem = resized = None
         if self.ctx.rank == 0:
-            problem = root_problem(self.root, saving=self.config.enable_save)
+            problem = None if is_object(self.root) else root_problem(self.root, saving=self.config.enable_save)
             resized = None if problem else (self.missing_source() or world_size_problem(self.config, self.root, self.ctx.world_size))
         if self.ctx.distributed:
             problem, resized = self.ctx.broadcast_object((problem, resized))
@@ -164,6 +170,22 @@ class Checkpointer(Resuming):
             )
         if resized:
             raise ConfigError(resized)
+
+    def _check_store(self) -> None:
+        """Object storage: the store is usable (credentials, bucket or profile; rank 0 also writes
+        and deletes a probe when saving), checked on every rank; a ``ConfigError`` on every rank
+        naming ``checkpoint.checkpoint_dir`` and what was tried, else ``None``."""
+        try:
+            problem = self.root.store.problem(saving=self.config.enable_save and self.ctx.rank == 0)
+        except Exception as exc:  # noqa: BLE001 - a client that cannot even ask is a configuration problem
+            problem = f"{type(exc).__name__}: {exc}"
+        self.ctx.gather_or_raise(problem, fail=lambda detail: ConfigError(f"checkpoint.checkpoint_dir={self.config.checkpoint_dir!r}: {detail}"))
+
+    @property
+    def log_root(self) -> Path:
+        """Where rank 0's ``training.jsonl``/``validation.jsonl`` go: the checkpoint root, or on object
+        storage the local directory (an object cannot be appended to)."""
+        return self.local if self.local is not None else self.root
 
     def record_validation(self, global_step: int, metrics: dict[str, Any]) -> tuple[str, float | None]:
         """Remember ``metrics`` for the checkpoint of ``global_step``; returns the deciding metric.
@@ -256,47 +278,35 @@ class Checkpointer(Resuming):
         Returns the published directory; raises ``CheckpointSaveError`` on every rank when any
         step failed anywhere (``LATEST`` is then unchanged, unless only the steps after it failed)."""
         started = time.monotonic()
-        written = write_checkpoint(ctx, self.root, name, parts)  # every rank's files durable, or raise
-        error, victims = None, []
-        if ctx.rank == 0:
-            try:
-                publish(self.root, name, written, meta)  # manifest, rename, LATEST
-            except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
-                error = describe_failure(exc)
-            else:
+        # object storage: each rank stages locally, under rank 0's checkpoint id (the files' prefix)
+        sink = Sink.for_save(self.root, self.local, name, ctx.broadcast_object(meta["checkpoint_id"]), ctx.rank) if self.local else None
+        try:
+            written = write_checkpoint(ctx, self.root, name, parts, sink)  # every rank's files durable (and uploaded), or raise
+            error, victims = None, []
+            if ctx.rank == 0:
                 try:
-                    victims = self._after_publish(self.root / name, value)  # LOWEST_VAL, retention's choice
+                    if sink is None:
+                        publish(self.root, name, written, meta)  # manifest, rename, LATEST
+                    else:
+                        self._pruning.replaced(name, object_save.publish(self.root, name, written, meta, sink))  # manifest, LATEST
                 except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
-                    error = f"after publishing (the checkpoint itself is published): {describe_failure(exc)}"
-        victims = raise_publish_verdict(ctx, name, error, victims)
+                    error = describe_failure(exc)
+                else:
+                    try:
+                        victims = self._after_publish(self.root / name, value)  # LOWEST_VAL, retention's choice
+                    except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
+                        error = f"after publishing (the checkpoint itself is published): {describe_failure(exc)}"
+            victims = raise_publish_verdict(ctx, name, error, victims)
+        finally:
+            if sink is not None:
+                sink.discard()
         if ctx.rank == 0:  # the one-line report of the checkpoint (on stderr without logging set up)
             took, nbytes = time.monotonic() - started, sum(rec.size for rec in written.mine)
             wrote = f"rank 0 wrote {_size(nbytes)} at {_size(nbytes / max(took, 1e-9))}/s"
             announce(log, "saved %s (%s) in %.2f s; %s; %s -> %s", name, meta.get("reason"), took, wrote, LATEST, name, rank=0)
-        if self._retention_window() is not None:  # without retention nothing is deleted: nothing to remember
-            self._own_files[name] = [rec.path for rec in written.mine]
-        self._delete(ctx, victims)
+        self._pruning.remember(name, [rec.path for rec in written.mine])
+        self._pruning.delete(ctx, victims)  # in the background
         return self.root / name
-
-    def _delete(self, ctx: DistContext, victims: list[str]) -> None:
-        """After the save's last collective, in the background: this rank unlinks its own files of
-        the checkpoints rank 0 set aside (``victims``); rank 0 then removes what is left of those
-        set aside at earlier saves. Only this process's saves are remembered, and only until their
-        checkpoint is deleted (bounded per rank)."""
-        mine = {victim: self._own_files.pop(victim) for victim in victims if victim in self._own_files}
-        if not mine and (ctx.rank != 0 or self._retention_window() is None):
-            return
-        spare = frozenset(victims)
-
-        def job() -> None:
-            phase("delete")
-            for victim, files in mine.items():
-                retention.delete_files(self.root, victim, files)
-            phase("deleted")
-            if ctx.rank == 0:
-                retention.remove_set_aside(self.root, spare=spare)
-
-        self._deleter.submit(job)
 
     def _run_id(self) -> str:
         """This run's id, decided once, at its first save: the one given at construction (the
@@ -334,15 +344,15 @@ class Checkpointer(Resuming):
 
     def close(self) -> None:
         """Wait for the save in flight (see :meth:`wait`), then for retention's background deletion
-        (at most :data:`DELETE_WAIT_S` seconds: an exit, 75 after a preemption, never hangs on a
-        slow delete; what is left is removed by a later save), release the staging buffers and the
+        (at most :data:`~resilience.checkpoint.policy.pruning.DELETE_WAIT_S` seconds: an exit, 75 after a preemption, never hangs on a
+        slow delete; what is left is removed by a later save or start), release the staging buffers and the
         background writer's process group. A SIGINT is not held here: the exit path after a first
         Ctrl-C that interrupted training lets the save in flight publish, and a second one aborts."""
         try:
             if self._async is not None:
                 self._async.wait(self.config.async_timeout_s)
         finally:
-            self._finish_deleting()
+            self._pruning.finish(self.ctx)
             self._buffers.forget()
             if self._async_ctx is not None and self._async_ctx is not self.ctx and not self.save_in_flight:
                 self._async_ctx.close()
@@ -352,23 +362,7 @@ class Checkpointer(Resuming):
         renamed aside; returns their names (deleted after the save's last collective, see :meth:`_delete`)."""
         phase("after_publish")
         self.lowest_val.consider(final, value)
-        keep = self._retention_window()
-        if keep is None:
-            return []
-        victims = retention.plan_prune(self.root, keep, run_id=self.run_id if self.config.save_max is not None else None, current=final)
-        return retention.set_aside(self.root, victims)
-
-    def _retention_window(self) -> int | None:
-        """``max_recent_checkpoints`` or ``save_max`` (``None``: keep every checkpoint)."""
-        return self.config.max_recent_checkpoints if self.config.max_recent_checkpoints is not None else self.config.save_max
-
-    def _finish_deleting(self) -> None:
-        """Rank 0 removes what is left of every set-aside checkpoint; every rank waits for its
-        deletion at most :data:`DELETE_WAIT_S` seconds (a warning past it)."""
-        if self.ctx.rank == 0 and self.config.enabled and self.config.enable_save and self._retention_window() is not None:
-            self._deleter.submit(lambda: retention.remove_set_aside(self.root))
-        if not self._deleter.wait(DELETE_WAIT_S):
-            log.warning("retention: deletion still running after %g s at close; left to a later save", DELETE_WAIT_S)
+        return self._pruning.set_aside(final, self.run_id)
 
     def _parts(self, reason: SaveReason, *, snapshot: bool = False) -> list[Part]:
         """The pieces of this checkpoint (:func:`checkpoint_parts`); with ``snapshot`` its tensors

@@ -160,12 +160,16 @@ def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint directories under ``root`` (published ones only), newest global step first."""
+    """Checkpoint directories under ``root`` (published ones only), newest global step first. On
+    object storage, where a prefix exists as soon as one object lies under it, only those holding
+    their manifest (the commit point; one HEAD each)."""
     found = []
+    on_store = getattr(root, "store", None) is not None  # an ObjectPath (layout.py imports no storage code)
+    committed = (lambda child: (child / MANIFEST).is_file()) if on_store else (lambda child: True)
     if root.is_dir():
         for child in root.iterdir():
             parsed = parse_checkpoint_name(child.name)
-            if parsed and child.is_dir() and not child.is_symlink():
+            if parsed and child.is_dir() and not child.is_symlink() and committed(child):
                 found.append((parsed[1], parsed[0], child))
     return [path for _, _, path in sorted(found, reverse=True)]
 

@@ -25,7 +25,7 @@ from resilience.checkpoint.formats.bundle_shards import write_bundle_share
 from resilience.checkpoint.formats.extra_state import save_extra_state
 from resilience.checkpoint.formats.plan_cache import LayoutCache
 from resilience.checkpoint.formats.state_dicts import get_model_state_dict, get_state_dict
-from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, RANK_STATE_DIR, STEP_SCHEDULER, TRASH_PREFIX, rank_state_file
+from resilience.checkpoint.layout import COMMON, CONFIG, LOSSES, LR_SCHEDULER, MODEL_DIR, RANK_STATE_DIR, STEP_SCHEDULER, TRASH_PREFIX, rank_state_file
 from resilience.checkpoint.policy.lowest_val import json_safe
 from resilience.checkpoint.staging import StagingBuffers
 from resilience.checkpoint.storage.durable import FileRecord
@@ -68,6 +68,9 @@ class Part:
     by: Literal["each rank", "rank 0", "all ranks"] = "each rank"
     after_peers: bool = False
     own: bool = False
+    peers_read: tuple[str, ...] = ()
+    """The directories of the checkpoint whose files an ``after_peers`` part reads; on object
+    storage each rank fetches the peers' files there into its own staging first."""
 
     @property
     def collective(self) -> bool:
@@ -206,7 +209,17 @@ def _model_parts(
     bundle = []
     if consolidated and fmt == "safetensors" and pieces.is_sharded(tensors):
         consolidated = False  # the model part writes the shards only; this part the bundle, after them
-        bundle = [Part("consolidated", write_bundle_share, (), {"rank": ctx.rank, "world_size": ctx.world_size}, by="each rank", after_peers=True)]
+        bundle = [
+            Part(
+                "consolidated",
+                write_bundle_share,
+                (),
+                {"rank": ctx.rank, "world_size": ctx.world_size},
+                by="each rank",
+                after_peers=True,
+                peers_read=(MODEL_DIR,),
+            )
+        ]
     # Tied keys are found on the live tensors (a snapshot's separate copies no longer share) and
     # are neither copied nor written: the tensor is stored once, the tie recorded.
     aliases = model_io.tied_aliases(state.model, tensors) if fmt == "safetensors" else {}

@@ -29,6 +29,7 @@ from resilience.checkpoint.layout import BAD_MARKER, needed_to_resume
 from resilience.checkpoint.resume_choice import choose
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.manifest import OWNED, CheckpointInvalid
+from resilience.checkpoint.storage.object_path import Location, from_wire, is_object, to_wire
 from resilience.distributed import DistContext
 
 log = logging.getLogger("resilience.checkpoint")
@@ -61,10 +62,10 @@ def _choose(ctx: DistContext, root: Path, restore_from: str | None, key: str, ch
     check = functools.partial(size_checks.check_candidate, ctx, checksums=checksums)
     if restore_from is not None:
         path = Path(restore_from)
-        if not path.is_absolute() and not path.exists():
+        if not path.is_absolute() and (is_object(root) or not path.exists()):
             path = root / restore_from
         try:
-            return str(path), check(path), []
+            return to_wire(path), check(path), []
         except CheckpointInvalid as exc:
             raise CheckpointNotFound(f"{key}={restore_from!r}: {exc}") from exc
     choice = choose(root, check)
@@ -78,7 +79,7 @@ def _choose(ctx: DistContext, root: Path, restore_from: str | None, key: str, ch
     if choice.chosen is not None:
         if warnings:
             warnings.append(f"falling back to {choice.chosen.name}")
-        return str(choice.chosen), choice.manifest, warnings
+        return to_wire(choice.chosen), choice.manifest, warnings
     if choice.candidates:
         warnings.append(f"no valid checkpoint under {root}: starting from scratch")
     return None, None, warnings
@@ -131,12 +132,12 @@ def find_resume_point(
     if ctx.rank == 0:
         for line in warnings:
             log.warning(line)
-    return (Path(chosen), manifest) if chosen else (None, None)
+    return (from_wire(chosen), manifest) if chosen else (None, None)
 
 
 @contextlib.contextmanager
 def checking_while_loading(
-    ctx: DistContext, directory: Path, manifest: dict[str, Any], *, inline: Iterable[str] = (), balanced: bool = False
+    ctx: DistContext, directory: Path, manifest: dict[str, Any], *, inline: Iterable[str] = (), balanced: bool = False, checkpoint: Location | None = None
 ) -> Iterator[ContentCheck]:
     """Around the load of ``directory``: this rank digests its share of the checkpoint's files,
     listed in its parsed ``manifest``, while the ``with`` body loads; a collective over ``ctx``
@@ -151,6 +152,8 @@ def checking_while_loading(
     the load, and after it whatever the loader did not report. ``balanced``: the loader reads the
     ``inline`` files as :mod:`~resilience.checkpoint.formats.balanced_load` streams (each rank a
     range), and each of them is digested by the rank whose range holds its first byte.
+    ``checkpoint``: the checkpoint marked bad when its bytes are corrupt, where ``directory`` is
+    a local copy of it (a resume from object storage); ``None``: ``directory`` itself.
 
     Raises, on leaving the ``with``:
         CheckpointCorrupted: on every rank, when any file's digest differs from the manifest,
@@ -176,7 +179,7 @@ def checking_while_loading(
         check.finish()
     # Two verdicts, in order: corrupt bytes anywhere (the checkpoint is bad, whatever else failed),
     # then a load that failed on intact bytes (this rank's own error raised as itself).
-    ctx.gather_or_raise(check.problem, fail=lambda detail: _corrupted(ctx, directory, detail, error))
+    ctx.gather_or_raise(check.problem, fail=lambda detail: _corrupted(ctx, checkpoint or directory, detail, error))
     own = None if error is None else f"{type(error).__name__}: {error}"
     ctx.gather_or_raise(own, fail=lambda detail: error or RuntimeError(f"loading {directory.name} failed on {detail}"))
 

@@ -16,12 +16,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from resilience.checkpoint import object_load
 from resilience.checkpoint.layout import LATEST, MANIFEST, parse_checkpoint_name
 from resilience.checkpoint.loading import Restored, balanced_loading, inline_files, load_state
 from resilience.checkpoint.policy.lineage import descends_from, meta_of, parent_ref
 from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, checking_while_loading, find_resume_point
 from resilience.checkpoint.resume_choice import remove_leftovers
 from resilience.checkpoint.storage.manifest import read_manifest
+from resilience.checkpoint.storage.object_path import is_object
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 from resilience.state.batch_size import continue_with_batch_size
 from resilience.state.data_parallel import DataParallel
@@ -42,6 +44,7 @@ class Resuming:
     global_batch_size: int | None
     data_parallel: DataParallel | None
     _chosen_manifest: tuple[Path | None, dict[str, Any] | None]
+    local: Path | None
     verify_choice: bool = False
     """Digest every file of the checkpoint chosen to resume from before it is returned (a
     fallback to an older one when they differ); False: sizes only, the bytes being checked while
@@ -57,12 +60,15 @@ class Resuming:
         cfg = self.config
         if cfg.restore_from is not None:
             path = Path(cfg.restore_from)
-            if not path.exists() and (path.is_absolute() or not (self.root / path).exists()):
+            if is_object(self.root) and not path.is_absolute():
+                path = self.root / cfg.restore_from  # a name under the bucket's prefix
+            if not path.exists() and (path.is_absolute() or is_object(path) or not (self.root / path).exists()):
                 return (
                     f"checkpoint.restore_from={cfg.restore_from!r}: no such checkpoint directory; accepted: an existing "
                     f"checkpoint directory, absolute or a name under checkpoint.checkpoint_dir ({str(self.root)!r})"
                 )
-        if cfg.load_path is not None and not Path(cfg.load_path).exists() and not os.path.lexists(self.root / LATEST):
+        has_latest = (self.root / LATEST).is_file() if is_object(self.root) else os.path.lexists(self.root / LATEST)
+        if cfg.load_path is not None and not Path(cfg.load_path).exists() and not has_latest:
             return f"checkpoint.load_path={cfg.load_path!r}: no such directory; accepted: a checkpoint directory or a root holding LATEST"
         return None
 
@@ -137,7 +143,7 @@ class Resuming:
         verdict = None
         if self.ctx.rank == 0 and self.run_id is not None:
             path = Path(self.config.restore_from)
-            target = path if path.is_absolute() or path.exists() else self.root / path
+            target = path if path.is_absolute() or (path.exists() and not is_object(self.root)) else self.root / self.config.restore_from
             try:
                 latest = read_pointer(self.root, LATEST)
             except PointerError:
@@ -187,10 +193,25 @@ class Resuming:
         weights_only = self.config.no_load_optim and self.resume_source in ("load_path", "restore_from")
         inline = inline_files(manifest, state, weights_only=weights_only)
         balanced = balanced_loading(self.config, self.ctx)
-        with checking_while_loading(self.ctx, directory, manifest, inline=inline, balanced=balanced) as check:
-            restored = load_state(directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check, data_parallel=self.data_parallel)
+        checkpoint, fetched = directory, None
+        if is_object(directory):  # each rank downloads what it reads whole; the rest is read by ranges
+            optimizer = state.optimizer is not None and not weights_only and manifest["meta"].get("optimizer_saved", True)
+            fetched = object_load.fetch(
+                self.ctx, directory, manifest, self.local, inline=inline, balanced=balanced, optimizer=optimizer, data_parallel=self.data_parallel
+            )
+            directory = fetched.directory
+        restored = None
+        try:
+            with checking_while_loading(self.ctx, directory, manifest, inline=inline, balanced=balanced, checkpoint=checkpoint) as check:
+                restored = load_state(
+                    directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check, data_parallel=self.data_parallel
+                )
+        finally:
+            if fetched is not None:
+                fetched.close(keep=restored.rng_file if restored is not None else None)
+        restored.directory = checkpoint  # the checkpoint itself (the RNG file may be a local copy)
         if not weights_only:
-            self._continue_from(directory, restored.meta)
+            self._continue_from(checkpoint, restored.meta)
         return restored
 
     def adopt(self, directory: Path) -> dict[str, Any]:

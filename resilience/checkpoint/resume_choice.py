@@ -18,8 +18,10 @@ from typing import Any
 
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, STAGING_PREFIX, TRASH_PREFIX, list_checkpoints, parse_checkpoint_name
 from resilience.checkpoint.policy.lineage import lineage, meta_of
+from resilience.checkpoint.policy.orphans import remove_orphans
 from resilience.checkpoint.storage.durable import fsync_dir
 from resilience.checkpoint.storage.manifest import CheckpointInvalid
+from resilience.checkpoint.storage.object_path import ObjectPath
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 
 
@@ -106,8 +108,11 @@ def remove_leftovers(root: Path) -> list[Path]:
     :func:`choose`). Returns what was removed.
 
     A trash directory whose checkpoint name is absent (a crash between the two renames of a
-    re-save) is the only copy of that checkpoint: it is renamed back instead of deleted.
+    re-save) is the only copy of that checkpoint: it is renamed back instead of deleted. On object
+    storage: the objects no committed manifest names (:func:`~resilience.checkpoint.policy.orphans.remove_orphans`).
     """
+    if isinstance(root, ObjectPath):
+        return [root / prefix for prefix in remove_orphans(root)]
     removed = []
     if root.is_dir():
         for child in root.iterdir():

@@ -14,7 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import needed_to_resume
-from resilience.checkpoint.storage.manifest import OWNED, CheckpointInvalid, all_files, check_contents, first_size_problem, read_owned, resume_files, validate
+from resilience.checkpoint.storage.manifest import (
+    OWNED,
+    CheckpointInvalid,
+    all_files,
+    check_contents,
+    data_dir,
+    first_size_problem,
+    read_owned,
+    resume_files,
+    validate,
+)
+from resilience.checkpoint.storage.object_path import from_wire, is_object, to_wire
+from resilience.checkpoint.storage.object_store import StoreError
 from resilience.distributed import DistContext
 
 # What rank 0 broadcasts while choosing (reader.find_resume_point): a candidate to size-check, or the result.
@@ -26,10 +38,11 @@ def check_candidate(ctx: DistContext, directory: Path, *, checksums: bool) -> di
     rank's share of the size checks (:func:`check_sizes`), then, with ``checksums``, every digest
     here. Returns the manifest; raises :class:`CheckpointInvalid` (on rank 0) saying why not."""
     doc = validate(directory, checksums=False, resume=True, sizes=False)
-    ctx.broadcast_object((CHECK, (str(directory), doc)))
+    ctx.broadcast_object((CHECK, (to_wire(directory), doc)))
     check_sizes(ctx, directory, doc)
     if checksums:  # every file here, every rank's own included (the rank manifests read: O(files), as the digests are)
-        check_contents(directory, {rel: want for rel, want in all_files(directory, doc).items() if needed_to_resume(rel)})
+        files_at = data_dir(directory, doc)
+        check_contents(files_at, {rel: want for rel, want in all_files(files_at, doc).items() if needed_to_resume(rel)})
     return doc
 
 
@@ -44,9 +57,9 @@ def follow(ctx: DistContext) -> tuple[tuple[str | None, list[str], str | None, s
             return body, manifest
         path, manifest = body
         try:
-            check_sizes(ctx, Path(path), manifest)
-        except CheckpointInvalid:
-            pass  # rank 0 has it too, and goes on to the next candidate
+            check_sizes(ctx, from_wire(path), manifest)
+        except (CheckpointInvalid, StoreError):
+            pass  # rank 0 has it too, and goes on to the next candidate (or fails, and says so)
 
 
 def check_sizes(ctx: DistContext, directory: Path, doc: dict[str, Any]) -> None:
@@ -56,14 +69,21 @@ def check_sizes(ctx: DistContext, directory: Path, doc: dict[str, Any]) -> None:
     copy of ``doc`` under ``OWNED`` for the load's digest share); one verdict for all (a
     collective). Raises :class:`CheckpointInvalid` on every rank, with the message a serial check
     gives (the first bad file, by rank), when a file or rank manifest is missing, short or corrupt."""
-    problem = first_size_problem(directory, size_share(resume_files(doc), ctx.rank, ctx.world_size))
-    if problem is None:
-        try:
-            doc[OWNED] = read_owned(directory, doc, ctx.rank, ctx.world_size)
-        except CheckpointInvalid as exc:
-            problem = str(exc)
-        else:
-            problem = first_size_problem(directory, doc[OWNED])
+    files_at = data_dir(directory, doc)  # on object storage, the save's own prefix
+    problem = unanswered = None
+    try:
+        problem = first_size_problem(files_at, size_share(resume_files(doc), ctx.rank, ctx.world_size))
+        if problem is None:
+            try:
+                doc[OWNED] = read_owned(files_at, doc, ctx.rank, ctx.world_size)
+            except CheckpointInvalid as exc:
+                problem = str(exc)
+            else:
+                problem = first_size_problem(files_at, doc[OWNED])
+    except StoreError as exc:  # the store did not answer: nothing is known of the checkpoint (never marked bad)
+        unanswered = str(exc)
+    if is_object(files_at):
+        ctx.gather_or_raise(unanswered, fail=StoreError)
     ctx.gather_or_raise(problem, fail=lambda detail: CheckpointInvalid(_first_problem(detail)))
 
 

@@ -67,7 +67,7 @@ class CheckpointSaveError(RuntimeError):
 
 
 # A test hook: called with the phase name before each filesystem step of the save
-# ("staging", "parts", "manifest", "rename", "pointer", "after_publish"), and in retention's
+# ("staging", "parts", "upload" (object storage), "manifest", "rename", "pointer", "after_publish"), and in retention's
 # background job before and after this rank deletes its own files ("delete", "deleted"; a failure
 # there is a warning, not a failed save). Fault tests use it to
 # fail one step on one rank; it is None in normal runs.
@@ -119,21 +119,26 @@ def rank_manifest_block() -> int:
     return int(raw)
 
 
-def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part]) -> Written:
+def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part], sink: Any = None) -> Written:
     """Steps 1 to 3: stage ``root/.staging_<name>/``, write every rank's ``parts`` into it, fsync'd
     and digested, write the rank manifests and gather the other file lists to rank 0; a collective
     over ``ctx`` (every rank calls it).
+
+    ``sink`` (an :class:`~resilience.checkpoint.object_save.Sink`): on object storage, each rank stages in a local directory of its own
+    (``sink.staging``) and sends its files to the store (``sink.send``) once they are durable, the
+    parts that read every rank's files after fetching the peers' (``sink.fetch``); see
+    :mod:`resilience.checkpoint.object_save`.
 
     Returns what was written (:class:`Written`; rank 0 publishes it with :func:`publish`). Raises
     :class:`CheckpointSaveError` on every rank when any rank failed; the staging directory is
     then removed and the previous checkpoint and ``LATEST`` are left as they were.
     """
-    staging = root / f"{STAGING_PREFIX}{name}"
+    staging = root / f"{STAGING_PREFIX}{name}" if sink is None else sink.staging
     block = rank_manifest_block()
 
-    # 1. staging directory (rank 0)
+    # 1. staging directory (rank 0; on object storage, each rank's own)
     error = None
-    if ctx.rank == 0:
+    if ctx.rank == 0 or sink is not None:
         try:
             phase("staging")
             if staging.exists():
@@ -158,17 +163,42 @@ def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part])
             except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
                 error = describe_failure(exc)
         gathered = ctx.gather_to_root_or_raise(error, listed, fail=_failed(name, "writing the rank manifests")) or []
+        if sink is not None:  # object storage: every rank's files in the store before anything reads or lists them
+            ctx.gather_or_raise(_send(sink, listed + own), fail=_failed(name, "uploading files"))
         late = [p for p in parts if p.after_peers]
         if late:
-            records, late_own, error = _run_parts(staging, late, stop_at_error=True)
+            error = _fetch(sink, late) if sink is not None else None
+            records, late_own, error = _run_parts(staging, late, stop_at_error=True) if error is None else ([], [], error)
             records += late_own  # the rank manifests are written: listed
+            if sink is not None and error is None:
+                error = _send(sink, records)
             gathered += ctx.gather_to_root_or_raise(error, records, fail=_failed(name, "writing files from every rank's files")) or []
             listed = listed + records
     except CheckpointSaveError:
-        if ctx.rank == 0:
+        if ctx.rank == 0 or sink is not None:
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return Written([rec for recs in gathered for rec in recs], listed + own, {"world_size": ctx.world_size, "block": block})
+
+
+def _send(sink: Any, records: list[FileRecord]) -> str | None:
+    """This rank's ``records`` sent to the store (``phase("upload")`` first), or what failed."""
+    try:
+        phase("upload")
+        sink.send(records)
+    except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
+        return describe_failure(exc)
+    return None
+
+
+def _fetch(sink: Any, parts: list[Part]) -> str | None:
+    """The peers' files ``parts`` read (their ``peers_read`` directories) fetched into this rank's staging, or what failed."""
+    try:
+        for directory in sorted({d for part in parts for d in part.peers_read}):
+            sink.fetch(directory)
+    except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
+        return describe_failure(exc)
+    return None
 
 
 def publish(root: Path, name: str, written: Written, meta: dict[str, Any]) -> Path:
@@ -281,7 +311,7 @@ def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = 
                 what,
                 abandoned.name,
             )
-            best_moved = _follow_with_lowest_val(root, final, abandoned)
+            best_moved = follow_with_lowest_val(root, final, abandoned)
     try:
         os.rename(staging, final)
     except OSError:
@@ -295,7 +325,7 @@ def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = 
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def _follow_with_lowest_val(root: Path, name: Path, moved_to: Path) -> bool:
+def follow_with_lowest_val(root: Path, name: Path, moved_to: Path) -> bool:
     """Point ``LOWEST_VAL`` at ``moved_to`` when it names ``name`` (True then): by name it would
     otherwise name the new timeline's checkpoint about to take that name, with another metric."""
     try:

@@ -14,6 +14,7 @@ import os
 import sys
 
 from resilience.checkpoint.layout import CONSOLIDATED
+from resilience.checkpoint.storage.object_store import is_object_url
 from resilience.env_names import CONSOLIDATE
 from resilience.exit_codes import ExitCode
 from resilience.local_paths import local_path
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         nproc = _count("--nproc", args.nproc, CONSOLIDATE["nproc"], 1)
         threads = _count("--num-threads", args.num_threads, CONSOLIDATE["num_threads"], 5)
+        if is_object_url(args.directory):
+            return _run_on_bucket(args, nproc, threads)
         directory = local_path(args.directory, "DIR")
         output = local_path(args.output, "--output") if args.output is not None else None
     except ValueError as exc:  # NotALocalPath too: a URL is not read as a local folder "s3:"
@@ -65,6 +68,50 @@ def run(args: argparse.Namespace) -> int:
         print(f"resilience consolidate: {exc}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
     except (CorruptedInput, OSError) as exc:
+        print(f"resilience consolidate: {exc}", file=sys.stderr)
+        return int(ExitCode.FAILED)
+    print(out)
+    return int(ExitCode.DONE)
+
+
+def _run_on_bucket(args: argparse.Namespace, nproc: int, threads: int) -> int:
+    """``DIR`` is a checkpoint on object storage: its manifest, rank manifests and ``model/`` are
+    downloaded into a temporary directory, the bundle is built there and uploaded under the
+    checkpoint's ``model/consolidated/`` (``bundle_manifest.json`` last), or into ``--output``."""
+    import tempfile
+    from pathlib import Path
+
+    from resilience.checkpoint.formats.consolidate import ConsolidateError, CorruptedInput, consolidate  # imports torch
+    from resilience.checkpoint.layout import MODEL_CONSOLIDATED, MODEL_DIR, RANK_MANIFESTS_DIR
+    from resilience.checkpoint.object_tools import download, upload_bundle
+    from resilience.checkpoint.storage.manifest import CheckpointInvalid
+    from resilience.checkpoint.storage.object_path import url_location
+    from resilience.checkpoint.storage.object_store import StoreError, StoreUnavailable
+
+    cast = args.cast_dtype if args.cast_dtype is not None else os.environ.get(CONSOLIDATE["cast_dtype"])
+    try:
+        output = local_path(args.output, "--output") if args.output is not None else None
+        checkpoint = url_location(args.directory)
+        if checkpoint.rel == "":
+            raise ValueError(f"DIR {args.directory!r}: not a checkpoint (no manifest.json directly under it)")
+    except (ValueError, StoreUnavailable, StoreError) as exc:
+        print(f"resilience consolidate: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
+    try:
+        with tempfile.TemporaryDirectory(prefix="resilience-consolidate-") as tmp:
+
+            def wanted(rel: str) -> bool:
+                return rel.startswith((f"{MODEL_DIR}/", f"{RANK_MANIFESTS_DIR}/")) and not rel.startswith(f"{MODEL_CONSOLIDATED}/")
+
+            local = download(checkpoint, Path(tmp), wanted)
+            out = consolidate(local, output, nproc=nproc, num_threads=threads, cast_dtype=cast, progress=not args.no_progress)
+            if output is None:
+                upload_bundle(out, checkpoint, MODEL_CONSOLIDATED)
+                out = f"{checkpoint}/{MODEL_CONSOLIDATED}"
+    except ConsolidateError as exc:
+        print(f"resilience consolidate: {exc}", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
+    except (CorruptedInput, CheckpointInvalid, OSError) as exc:
         print(f"resilience consolidate: {exc}", file=sys.stderr)
         return int(ExitCode.FAILED)
     print(out)

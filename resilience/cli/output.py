@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import CONFIG
-from resilience.local_paths import NotALocalPath, local_path
+from resilience.local_paths import URL, NotALocalPath, local_path
 
 JSON_VERSION = 1
 
@@ -79,7 +79,21 @@ def local_arg(text: str, what: str) -> str:
 
 def existing_dir(text: str, what: str) -> Path:
     """``text`` as the path of an existing directory; :class:`UsageError` naming ``what`` otherwise
-    (also for a URL other than ``file://``, see :func:`local_arg`)."""
+    (also for a URL other than ``file://``, see :func:`local_arg`). An ``s3://``/``msc://`` URL is
+    a place in a bucket (:func:`~resilience.checkpoint.storage.object_path.url_location`): a
+    checkpoint root, or one checkpoint when a manifest lies directly under it."""
+    if URL.match(text or "") and text.split(":", 1)[0].lower() in ("s3", "msc"):
+        from resilience.checkpoint.storage.object_path import url_location  # boto3/msc: only for a URL
+        from resilience.checkpoint.storage.object_store import StoreError, StoreUnavailable
+
+        try:
+            location = url_location(text)
+            found = location.is_dir()
+        except (ValueError, StoreUnavailable, StoreError) as exc:
+            raise UsageError(f"{what} {text!r}: {exc}") from None
+        if not found:
+            raise UsageError(f"{what} {text!r}: nothing under this prefix")
+        return location
     text = local_arg(text, what)
     if not text.strip():  # Path("") is ".": an empty $VAR would inspect the current directory
         raise UsageError(f"{what}: empty; give a directory")

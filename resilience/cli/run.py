@@ -17,6 +17,7 @@ from resilience.launch.rank_group import RankGroup
 from resilience.launch.start import launch
 from resilience.launch.supervise import Outcome, supervise
 from resilience.launch.watchdog import DEFAULT_STARTUP_TIMEOUT_S, ProgressTimeout
+from resilience.local_paths import URL
 
 HELP = "start N local ranks (torchrun-like), forward USR1/USR2/TERM/INT/HUP/QUIT to them, watch their progress, restart them in-job, exit with their code"
 
@@ -265,7 +266,11 @@ def _start_once(
 
 def _record_held_stop(root: str, group: RankGroup, outcome: Outcome) -> None:
     """Record the last stop signal delivered after the hold in ``root`` for ``resilience status``
-    (the launcher got a signal: ``outcome.code`` is its exit code, see :func:`run`)."""
+    (the launcher got a signal: ``outcome.code`` is its exit code, see :func:`run`). Not on object
+    storage (``s3://``, ``msc://``): the record is a local file, never a folder named after the URL."""
+    if URL.match(root):
+        _stderr_log(f"the stop signal delivered after the hold is not recorded: {root} is not a local directory")
+        return
     try:
         path = write_record(root, group.delivered_after_hold[-1], outcome.codes, outcome.code)
     except OSError as error:

@@ -42,7 +42,11 @@ def iso_utc(timestamp: Any) -> str | None:
 
 
 def _tree_size(path: Path) -> int:
-    """Bytes of every regular file under ``path`` (symlinks not followed)."""
+    """Bytes of every regular file under ``path`` (symlinks not followed); on object storage the
+    objects under the checkpoint's name and under the prefix of its files."""
+    if _is_object(path):
+        prefixes = {path.rel, _files_at(path).rel}
+        return sum(o.size for prefix in prefixes for o in path.store.list(prefix)[0] if prefix == path.rel or not o.rel.startswith(path.rel + "/"))
     total = 0
     for dirpath, _, files in os.walk(path):
         for name in files:
@@ -51,6 +55,20 @@ def _tree_size(path: Path) -> int:
             except OSError:
                 pass  # removed while we walk (retention on a live run)
     return total
+
+
+def _is_object(path: Any) -> bool:
+    return type(path).__name__ == "ObjectPath"  # no import: status on a local root loads no store client
+
+
+def _files_at(checkpoint: Any) -> Any:
+    """Where a checkpoint's files lie (on object storage, the prefix its manifest names), else itself."""
+    from resilience.checkpoint.storage.manifest import CheckpointInvalid, data_dir, read_manifest
+
+    try:
+        return data_dir(checkpoint, read_manifest(checkpoint))
+    except (CheckpointInvalid, OSError):
+        return checkpoint
 
 
 def _relative(message: str, root: Path) -> str:
@@ -99,12 +117,13 @@ def _model_info(path: Path) -> dict[str, Any]:
         SHARD_INDEX,
     )
 
+    path = _files_at(path) if _is_object(path) else path
     if not (path / MODEL_DIR).is_dir() and any((path / name).is_file() for name in (HF_SINGLE_FILE, HF_INDEX, ADAPTER_WEIGHTS)):
         weights = "adapters" if (path / ADAPTER_WEIGHTS).is_file() else "full"
         return {"model_format": "safetensors", "model_weights": weights, "hf_bundle": True}
     model = path / MODEL_DIR
     try:
-        names = set(os.listdir(model))
+        names = {child.name for child in model.iterdir()} if _is_object(model) else set(os.listdir(model))
     except OSError:
         names = set()
     fmt = weights = None
@@ -127,6 +146,10 @@ def _pointer_names(root: Path) -> list[str]:
         name = child.name
         if name.startswith(".") or parse_checkpoint_name(name):
             continue  # .NAME.tmp.PID: a pointer swap in progress
+        if _is_object(root):  # a pointer is a small object: LATEST, LOWEST_VAL, or NAME.txt
+            if child.is_file() and (name in _POINTER_ORDER or name.endswith(POINTER_SUFFIX)):
+                names.add(name)
+            continue
         if child.is_symlink():
             if name in _POINTER_ORDER or "/" not in os.readlink(child).strip("/"):
                 names.add(name)
@@ -152,7 +175,8 @@ def _read_pointers(root: Path) -> dict[str, dict[str, Any]]:
 
     pointers = {}
     for name in _pointer_names(root):
-        entry: dict[str, Any] = {"form": "symlink" if (root / name).is_symlink() else pointer_text_name(name), "target": None, "error": None}
+        form = "object" if _is_object(root) else "symlink" if (root / name).is_symlink() else pointer_text_name(name)
+        entry: dict[str, Any] = {"form": form, "target": None, "error": None}
         try:
             target = read_pointer(root, name)
         except PointerError as exc:
@@ -309,6 +333,8 @@ def _held_stop(root: Path) -> dict[str, Any] | None:
     that never got ready (:mod:`resilience.launch.held_stops`), with ``at_utc``; ``None``: none."""
     from resilience.launch.held_stops import read_record
 
+    if _is_object(root):
+        return None  # written by `resilience run --checkpoint-dir`, for local roots only
     record = read_record(root)
     return None if record is None else {**record, "at_utc": iso_utc(record["at"])}
 
@@ -322,7 +348,7 @@ def _restart_guard(root: Path, pick: str | None) -> dict[str, Any] | None:
     doc = read(root)
     if doc is None:
         return None
-    saved = saved_section(root / pick, "checkpoint") if pick is not None else {}
+    saved = saved_section(_files_at(root / pick) if _is_object(root) else root / pick, "checkpoint") if pick is not None else {}
     limit = saved.get("max_restarts_without_progress", 3)  # the defaults when the checkpoint does not say
     preemption_limit = saved.get("max_preemptions_without_progress", 10)
     limit = limit if isinstance(limit, int) else None

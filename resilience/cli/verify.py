@@ -34,6 +34,10 @@ from resilience.exit_codes import ExitCode
 HELP = "check every file's size and digest against the manifest of a checkpoint, or of every checkpoint under a root; exit 1 on any failure"
 
 
+FILES_AT = "_files_at"
+"""The key of a checkpoint's files' location in :func:`verify_path`'s copy of its manifest (object storage)."""
+
+
 def _targets(path: Path) -> tuple[list[Path], list[str], list[str]]:
     """(checkpoint directories to verify, names of unpublished leftovers skipped, names of
     checkpoints set aside after a rollback, skipped: no run resumes from them)."""
@@ -121,17 +125,18 @@ def verify_checkpoint(directory: Path, manifest: dict[str, Any] | None, error: s
     else:
         meta = manifest.get("meta")
         result["producer"] = meta.get("producer") if isinstance(meta, dict) else None  # a trainer's own layout (an integration's)
-        state, files, problem = _bundle(directory, manifest)
+        files_at = manifest.get(FILES_AT, directory)
+        state, files, problem = _bundle(files_at, manifest)
         # A bundle removed or built again since the save is checked by its own manifest, if at all.
         own = {rel: want for rel, want in manifest["files"].items() if state is None or needed_to_resume(rel)}
-        _check_files(directory, own, result, advance)
+        _check_files(files_at, own, result, advance)
         result["bundle"] = state
         prefix = f"{MODEL_CONSOLIDATED}/"
         if problem is not None:
             result["failures"].append({"file": prefix + BUNDLE_MANIFEST, "problem": problem})
         elif files is not None:
             before = len(result["failures"])
-            _check_files(directory / MODEL_CONSOLIDATED, files, result, advance, prefix)
+            _check_files(files_at / MODEL_CONSOLIDATED, files, result, advance, prefix)
             if len(result["failures"]) > before:
                 result["bundle"] = "failed"
     result["ok"] = not result["failures"]
@@ -146,7 +151,7 @@ def verify_path(path: Path, *, progress: bool = True) -> dict[str, Any]:
     """
     from tqdm import tqdm
 
-    from resilience.checkpoint.storage.manifest import CheckpointInvalid, all_files, read_manifest
+    from resilience.checkpoint.storage.manifest import CheckpointInvalid, all_files, data_dir, read_manifest
 
     directories, leftovers, set_aside = _targets(path)
     manifests: list[tuple[Path, dict[str, Any] | None, str | None]] = []
@@ -154,7 +159,8 @@ def verify_path(path: Path, *, progress: bool = True) -> dict[str, Any]:
         try:
             doc = read_manifest(directory)
             # every rank's own files too; a bad rank manifest fails as a file of the list, its ranks' files unchecked
-            manifests.append((directory, {**doc, "files": all_files(directory, doc, skip_bad=True)}, None))
+            files_at = data_dir(directory, doc)  # on object storage, the prefix the manifest names
+            manifests.append((directory, {**doc, "files": all_files(files_at, doc, skip_bad=True), FILES_AT: files_at}, None))
         except CheckpointInvalid as exc:
             error = "missing (an incomplete save)" if not (directory / MANIFEST).exists() else within(str(exc), directory)
             manifests.append((directory, None, error))

@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from resilience.checkpoint.storage.object_store import is_object_url, split_url
 from resilience.config.checks import ConfigError, check_bool, check_int, check_local_path
 
 log = logging.getLogger("resilience")
@@ -65,8 +66,15 @@ class CheckpointConfig:
     """Write and resume checkpoints (default true). When false, preemption still stops cleanly."""
     checkpoint_dir: str = "checkpoints/"
     """Root directory holding ``epoch_<E>_step_<S>/`` checkpoints and the ``LATEST`` pointer: a local or
-    mounted path; ``file:///abs`` is taken as ``/abs``, any other ``scheme://`` URL is a ``ConfigError``
-    (as for ``restore_from`` and ``load_path``)."""
+    mounted path (``file:///abs`` is taken as ``/abs``), or object storage: ``s3://bucket/prefix``
+    (boto3; endpoint and credentials from the AWS environment variables and ``~/.aws``) or
+    ``msc://profile/prefix`` (multi-storage-client's configuration); see docs/storage.md. Any other
+    ``scheme://`` URL is a ``ConfigError``, as is a URL in ``restore_from`` or ``load_path``."""
+    local_dir: str | None = None
+    """With an object-store ``checkpoint_dir`` only: a local directory for each rank's staged files
+    (written, fsync'd and digested there, then uploaded), a resume's downloads, and rank 0's
+    ``training.jsonl``/``validation.jsonl``. Default ``$TMPDIR/resilience-<user>/<scheme>/<bucket>/<prefix>``
+    (node-local scratch). A ``ConfigError`` with a local ``checkpoint_dir``."""
     restore_from: str | None = None
     """A checkpoint directory (absolute, or a name under ``checkpoint_dir``) to resume from instead of
     ``LATEST``. It must exist and be valid: a missing one is an error, never a fresh start."""
@@ -140,9 +148,21 @@ class CheckpointConfig:
         check_bool("checkpoint.resume", self.resume)
         if self.world_size_change not in ("strict", "elastic"):
             raise ConfigError(f"checkpoint.world_size_change: {self.world_size_change!r}; accepted: strict, elastic")
-        # Before anything reads them: an object-store URL is refused here, never a local folder named after it.
-        for key in ("checkpoint_dir", "restore_from", "load_path"):
+        # Before anything reads them: a URL without a backend is refused here, never a local folder named after it.
+        if is_object_url(self.checkpoint_dir):
+            self._check_object_root()
+        else:
+            try:
+                self.checkpoint_dir = check_local_path("checkpoint.checkpoint_dir", self.checkpoint_dir)
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}; or object storage: s3://bucket/prefix, msc://profile/prefix (see docs/storage.md)") from None
+        for key in ("restore_from", "load_path", "local_dir"):
             setattr(self, key, check_local_path(f"checkpoint.{key}", getattr(self, key)))
+        if self.local_dir is not None and not is_object_url(self.checkpoint_dir):
+            raise ConfigError(
+                f"checkpoint.local_dir={self.local_dir!r}: only used with an object-store checkpoint_dir (s3://, msc://); "
+                f"checkpoint_dir={self.checkpoint_dir!r} is local: remove local_dir"
+            )
         _check_retention_and_mindspore_keys(self)
         if not isinstance(self.checkpoint_dir, (str, os.PathLike)) or not str(self.checkpoint_dir).strip():
             raise ConfigError(f"checkpoint.checkpoint_dir: expected a non-empty path, got {self.checkpoint_dir!r}")
@@ -152,3 +172,13 @@ class CheckpointConfig:
         if self.model_save_format not in ("safetensors", "torch_save"):
             raise ConfigError(f"checkpoint.model_save_format: expected 'safetensors' or 'torch_save', got {self.model_save_format!r}")
         self.save_consolidated = _save_consolidated(self.save_consolidated, self.model_save_format)
+
+    def _check_object_root(self) -> None:
+        """An object-store ``checkpoint_dir``: a well-formed URL (the store itself is checked at
+        ``resilient_loop()``: credentials, bucket, a write probe)."""
+        try:
+            split_url(self.checkpoint_dir)
+        except ValueError as exc:
+            raise ConfigError(f"checkpoint.checkpoint_dir: {exc}") from None
+        if self.load_path is not None and is_object_url(self.load_path):
+            raise ConfigError(f"checkpoint.load_path={self.load_path!r}: a URL is not supported here yet; accepted: a local or mounted path")

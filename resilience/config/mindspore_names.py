@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from resilience.checkpoint.storage.object_store import is_object_url
 from resilience.config.checks import ConfigError, check_local_path
 
 # (MindSpore section, key) -> (our section, key): same meaning, either spelling accepted.
@@ -39,7 +40,7 @@ def normalize_aliases(data: Mapping[str, Any]) -> dict[str, Any]:
         ConfigError: both spellings given with different values (naming both), or
             ``checkpoint.save_path`` empty while saving is enabled (MindSpore raises
             ``ValueError("save_path must be provided ...")`` for it too), or ``save_path`` a URL
-            other than ``file://`` (see :func:`resilience.local_paths.local_path`).
+            other than ``file://``, ``s3://`` or ``msc://`` (see :func:`resilience.local_paths.local_path`).
     """
     out = dict(data)
     for (src_section, src_key), (dst_section, dst_key) in ALIASES.items():
@@ -55,7 +56,7 @@ def normalize_aliases(data: Mapping[str, Any]) -> dict[str, Any]:
                 )
             out[src_section] = {k: v for k, v in src.items() if k != src_key}
             continue
-        if (src_section, src_key) == ("checkpoint", "save_path"):
+        if (src_section, src_key) == ("checkpoint", "save_path") and not is_object_url(value):
             value = check_local_path("checkpoint.save_path", value)  # the error names the key as the user spelt it
         dst = out.get(dst_section)
         dst = dict(dst) if isinstance(dst, Mapping) else {}

@@ -56,6 +56,7 @@ from resilience.announce import announce
 from resilience.checkpoint import Checkpointer, SaveReason
 from resilience.checkpoint.parts import external_parts
 from resilience.checkpoint.policy import progress_guard
+from resilience.checkpoint.storage.object_store import is_object_url
 from resilience.config import CheckpointConfig, ConfigError, ResilienceConfig, config_from_dict, load_config
 from resilience.distributed import DistContext, collective_timeout_s
 from resilience.exit_codes import ExitCode
@@ -104,6 +105,11 @@ def check_external(config: CheckpointConfig, integration: str) -> None:
     for key, (value, why) in refused.items():
         if value:
             raise ConfigError(f"checkpoint.{key}={value!r} has no effect with the {integration} integration ({why}); remove it from the config")
+    if is_object_url(config.checkpoint_dir):
+        raise ConfigError(
+            f"checkpoint.checkpoint_dir={config.checkpoint_dir!r}: the {integration} integration needs a local or mounted directory "
+            "(the trainer writes and reads its own files there); object storage works with resilient_loop() (docs/storage.md)"
+        )
 
 
 class TrainerSession:
@@ -138,9 +144,9 @@ class TrainerSession:
         checkpoint_dir: str | os.PathLike[str] | None = None,
     ):
         config = resolve_config(config)
-        check_external(config.checkpoint, producer)
         if checkpoint_dir is not None:  # a copy: the caller's config object is left as it was
             config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, checkpoint_dir=os.fspath(checkpoint_dir)))
+        check_external(config.checkpoint, producer)
         self.config = config
         self.producer = {"producer": producer, "producer_version": producer_version}
         self.run_config = config.to_dict()

@@ -166,13 +166,19 @@ def test_plan_orders_by_step_not_by_name_or_time(tmp_path):
     assert checkpoint_dirs(root) == {"epoch_1_step_10"}
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/ck", "gs://bucket/ck", "hdfs://nn/ck", "msc://profile/ck"])
+@pytest.mark.parametrize("url", ["gs://bucket/ck", "hdfs://nn/ck", "az://container/ck"])
 @pytest.mark.parametrize("key", ["max_recent_checkpoints", "save_max"])
-def test_remote_checkpoint_dir_is_a_config_error_with_or_without_retention(url, key):
+def test_remote_checkpoint_dir_without_a_backend_is_a_config_error_with_or_without_retention(url, key):
     with pytest.raises(ConfigError, match=r"checkpoint\.checkpoint_dir=.*URLs are not supported"):
         config_from_dict({"checkpoint": {"checkpoint_dir": url, key: 3}})
     with pytest.raises(ConfigError, match=r"checkpoint\.checkpoint_dir=.*URLs are not supported"):
         config_from_dict({"checkpoint": {"checkpoint_dir": url}})
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/ck", "msc://profile/ck"])
+def test_retention_is_accepted_on_object_storage_unlike_nemo_on_msc(url):
+    # retention on a bucket itself: tests/checkpoint/test_object_store.py
+    assert config_from_dict({"checkpoint": {"checkpoint_dir": url, "max_recent_checkpoints": 3}}).checkpoint.max_recent_checkpoints == 3
 
 
 @pytest.mark.parametrize("value", [0, -1, True, "2", 1.5])

@@ -4,6 +4,9 @@
 ``./s3:/bucket/x/``; ``resilience status s3://bucket/x`` then read that folder. Every path-valued
 key and every command that takes a checkpoint path now refuses a ``scheme://`` URL (exit 2 from
 the commands), naming the key and what is accepted; ``file:///abs`` is the local path ``/abs``.
+``checkpoint_dir`` (and status/verify/consolidate) take ``s3://`` and ``msc://`` for object storage
+(tests/checkpoint/test_object_store.py); without credentials that is a ConfigError too, and
+no local folder either.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ KEYS = [
 ]
 
 
-@pytest.mark.parametrize("url", URLS)
-@pytest.mark.parametrize("section,key", KEYS)
+BACKED = ("checkpoint_dir", "save_path")  # the keys an s3:// URL is object storage for
+
+
+@pytest.mark.parametrize("section,key,url", [(s, k, u) for s, k in KEYS for u in URLS if not (k in BACKED and u.startswith("s3://"))])
 def test_an_object_store_url_in_any_path_key_is_a_config_error_naming_the_key_before_any_step(tmp_path, monkeypatch, section, key, url):
     monkeypatch.chdir(tmp_path)
     config: dict = {section: {key: url}}
@@ -45,10 +50,23 @@ def test_an_object_store_url_in_any_path_key_is_a_config_error_naming_the_key_be
     assert sorted(os.listdir(tmp_path)) == [], "nothing written, no folder named after the URL"
 
 
+@pytest.mark.parametrize("key", BACKED)
+def test_an_s3_checkpoint_dir_without_credentials_is_a_config_error_before_any_step_and_no_folder(tmp_path, monkeypatch, key):
+    monkeypatch.chdir(tmp_path)
+    for name in [n for n in os.environ if n.startswith("AWS_") and n != "AWS_EC2_METADATA_DISABLED"]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path.parent / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path.parent / "no-config"))
+    error, ran = attempt({"checkpoint": {key: "s3://bucket/x", "local_dir": str(tmp_path.parent / f"local-{key}")}})
+    assert isinstance(error, ConfigError), repr(error)
+    assert "checkpoint.checkpoint_dir='s3://bucket/x'" in str(error) and "no AWS credentials found" in str(error)
+    assert ran == [] and sorted(os.listdir(tmp_path)) == []
+
+
 def test_an_object_store_url_given_as_a_command_line_override_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"checkpoint\.checkpoint_dir='s3://bucket/x': s3:// URLs are not supported"):
-        load_config(None, ["checkpoint.checkpoint_dir=s3://bucket/x", "checkpoint.max_recent_checkpoints=null"])
+    with pytest.raises(ConfigError, match=r"checkpoint\.checkpoint_dir='gs://bucket/x': gs:// URLs are not supported"):
+        load_config(None, ["checkpoint.checkpoint_dir=gs://bucket/x", "checkpoint.max_recent_checkpoints=null"])
 
 
 def test_a_file_url_is_the_local_path_it_names_and_no_folder_called_file_is_made(tmp_path, monkeypatch):
@@ -84,14 +102,15 @@ def test_a_file_url_naming_another_host_is_refused(text):
 @pytest.mark.parametrize("command", [["status"], ["status", "--deep"], ["verify"], ["advise"], ["consolidate"], ["consolidate", "--output"]])
 def test_checkpoint_commands_exit_2_on_an_object_store_url_even_when_a_folder_named_after_it_exists(tmp_path, monkeypatch, capsys, command):
     monkeypatch.chdir(tmp_path)
-    # What the old behaviour left behind: a local folder "s3:/bucket/x" holding a checkpoint root.
-    (tmp_path / "s3:" / "bucket" / "x" / "epoch_0_step_1").mkdir(parents=True)
+    # What the old behaviour left behind: a local folder "gs:/bucket/x" holding a checkpoint root
+    # (s3:// and msc:// are object storage for status, verify and consolidate: test_object_store.py)
+    (tmp_path / "gs:" / "bucket" / "x" / "epoch_0_step_1").mkdir(parents=True)
     if command[-1] == "--output":
-        args = ["consolidate", str(tmp_path / "s3:" / "bucket" / "x" / "epoch_0_step_1"), "--output", "gs://bucket/bundle"]
+        args = ["consolidate", str(tmp_path / "gs:" / "bucket" / "x" / "epoch_0_step_1"), "--output", "gs://bucket/bundle"]
         name = "--output='gs://bucket/bundle'"
     else:
-        args = [command[0], "s3://bucket/x", *command[1:]]
-        name = "='s3://bucket/x'"
+        args = [command[0], "gs://bucket/x", *command[1:]]
+        name = "='gs://bucket/x'"
     code = cli.main(args)
     err = capsys.readouterr().err
     assert code == 2, err
@@ -99,8 +118,8 @@ def test_checkpoint_commands_exit_2_on_an_object_store_url_even_when_a_folder_na
 
 
 def test_resilience_status_with_a_url_exits_2_in_a_real_process(tmp_path):
-    (tmp_path / "s3:" / "bucket" / "x").mkdir(parents=True)
+    (tmp_path / "gs:" / "bucket" / "x").mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    result = subprocess.run([sys.executable, "-m", "resilience", "status", "s3://bucket/x"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "resilience", "status", "gs://bucket/x"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "CHECKPOINT_DIR='s3://bucket/x': s3:// URLs are not supported" in result.stderr
+    assert "CHECKPOINT_DIR='gs://bucket/x': gs:// URLs are not supported" in result.stderr

@@ -80,9 +80,9 @@ CONFIGS = [
         ["checkpoint.load_path and checkpoint.restore_from", "set one of them"],
     ),
     (
-        "retention-on-a-url",
-        {"checkpoint": {"checkpoint_dir": "s3://b/ck", "max_recent_checkpoints": 2}},
-        ["checkpoint.checkpoint_dir", "s3:// URLs are not supported", "a local or mounted path"],
+        "retention-on-a-url-without-a-backend",
+        {"checkpoint": {"checkpoint_dir": "gs://b/ck", "max_recent_checkpoints": 2}},
+        ["checkpoint.checkpoint_dir", "gs:// URLs are not supported", "a local or mounted path", "s3://bucket/prefix"],
     ),
     (
         "two-spellings-disagree",

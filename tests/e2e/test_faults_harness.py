@@ -86,3 +86,22 @@ def test_sigkill_of_a_rank_while_fsdp2_ranks_write_their_shards_leaves_the_previ
     assert counts["killed during a save"] == "2 (parts 2)", counts
     assert counts["LATEST after the kill"] == "none 0, valid 2, torn 0"
     assert counts["torn checkpoints"] == "0" and counts["resumed exact"] == "2" and counts["result"] == "PASS"
+
+
+@pytest.mark.timeout(240)
+def test_kills_during_uploads_to_an_s3_endpoint_leave_no_torn_checkpoint_and_resume_exactly(tmp_path):
+    # checkpoint_dir on moto's S3 server (started and stopped by the harness); each kill lands while a
+    # rank uploads its files of the second save, sync then async: LATEST stays on the first save (or none)
+    argv = ["--store", "s3", "--kill-at-phase", "upload", "--every", "10"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.faults", "--trials", "2", "--seed", "1", "--dir", str(tmp_path), *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    counts = _counts(proc.stdout)
+    assert counts["store"] == "s3" and counts["modes"] == "sync 1, async 1"
+    assert counts["killed during a save"] == "2 (upload 2)", counts
+    assert counts["torn checkpoints"] == "0" and counts["resumed exact"] == "2" and counts["result"] == "PASS"

@@ -20,8 +20,8 @@ SIGNAL_AT = 6
 CASES = [("fsdp2", 2, "safetensors"), ("tp", 2, "safetensors"), ("dp_tp", 4, "safetensors"), ("fsdp2", 2, "torch_save")]
 
 
-def _run(ckpt_dir, layout, nproc, fmt, **kwargs):
-    overrides = [f"layout={layout}", f"steps={STEPS}", f"checkpoint.model_save_format={fmt}"]
+def _run(ckpt_dir, layout, nproc, fmt, extra=(), **kwargs):
+    overrides = [f"layout={layout}", f"steps={STEPS}", f"checkpoint.model_save_format={fmt}", *extra]
     return run(ckpt_dir, nproc, script=MESH_SCRIPT, config=MESH_SCRIPT, overrides=overrides, timeout=150.0, **kwargs)
 
 
@@ -63,3 +63,35 @@ def test_sharded_run_stopped_through_one_rank_saves_one_step_on_every_rank_and_r
     result = compare(tmp_path, reference, weights=mesh_final_weights)
     assert result.identical, result.detail
     assert result.steps == STEPS
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_on_msc_resumes_bitwise_builds_the_bundle_from_every_ranks_shards_and_consolidates_on_the_bucket(tmp_path, references, msc_posix):
+    # checkpoint_dir on multi-storage-client (its POSIX profile); each rank stages and uploads its own shards
+    import json
+    import subprocess
+    import sys
+
+    from object_stores import MSC_PROFILE, download_latest, latest, orphans
+
+    url = f"msc://{MSC_PROFILE}/fsdp2"
+    local = tmp_path / "local"
+    on_msc = [f"checkpoint.checkpoint_dir={url}", f"checkpoint.local_dir={local}"]
+    first = _run(local, "fsdp2", 2, "safetensors", on_msc, signal_rank=1, signal_at_step=SIGNAL_AT)
+    assert first.codes == [ExitCode.PREEMPTED] * 2
+    stopped = latest(url)
+    second = _run(local, "fsdp2", 2, "safetensors", on_msc)
+    assert second.codes == [ExitCode.DONE] * 2
+    copy = download_latest(url, tmp_path / "copy")  # the final checkpoint, its bundle built from both ranks' shards
+    assert (copy / latest(url) / "model/consolidated/model.safetensors.index.json").is_file()
+    result = compare(local, references("fsdp2", 2), weights=lambda d: mesh_final_weights(copy) if d == local else mesh_final_weights(d))
+    assert result.identical, result.detail
+    assert orphans(url) == []
+
+    # resilience consolidate on the bucket: the preempted checkpoint gets its bundle; verify checks it
+    target = f"{url}/{stopped}"
+    done = subprocess.run([sys.executable, "-m", "resilience", "consolidate", target, "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    verify = subprocess.run([sys.executable, "-m", "resilience", "verify", target, "--json", "--no-progress"], capture_output=True, text=True, timeout=60)
+    doc = json.loads(verify.stdout)
+    assert verify.returncode == 0 and doc["ok"] and doc["checkpoints"][0]["bundle"] == "verified", verify.stdout

@@ -40,6 +40,7 @@ import torch
 from resilience.checkpoint.balance import stream_owners, stream_range
 from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, is_optim_file
 from resilience.checkpoint.storage.content_check import ContentCheck
+from resilience.checkpoint.storage.remote_files import source_of
 from resilience.checkpoint.storage.safetensors_file import dtype_of
 from resilience.distributed import DistContext
 
@@ -237,9 +238,16 @@ def place(view: torch.Tensor, part: torch.Tensor) -> None:
 def read_range(path: Path, offset: int, view: memoryview) -> None:
     """Fill ``view`` with the bytes of ``path`` from ``offset`` (the scale bench counts these).
 
+    A path registered by a resume from object storage is read with a range GET instead
+    (:mod:`~resilience.checkpoint.storage.remote_files`).
+
     Raises:
         OSError: the file cannot be read; ValueError: it ends before ``view`` is full.
     """
+    remote = source_of(path)
+    if remote is not None:
+        remote.read_into(offset, view)
+        return
     with open(path, "rb", buffering=0) as fh:
         fh.seek(offset)
         while view:

@@ -42,6 +42,7 @@ from resilience.checkpoint.formats.pieces import Plan, block_of, local_tensor, o
 from resilience.checkpoint.formats.shard_rule import Rule
 from resilience.checkpoint.layout import SHARD_INDEX, model_shard_name
 from resilience.checkpoint.storage.durable import FileRecord
+from resilience.checkpoint.storage.remote_files import ensure_local
 from resilience.checkpoint.storage.safetensors_file import write_safetensors
 
 INDEX_FORMAT = "resilience.sharded_safetensors"
@@ -190,6 +191,7 @@ def load_by_slices(model_dir: Path, layout: dict[str, dict[str, Any]], live: dic
                     if where is None:
                         continue
                     if piece["file"] not in handles:
+                        ensure_local(model_dir / piece["file"])  # on object storage: fetched now if another rank's
                         handles[piece["file"]] = safe_open(str(model_dir / piece["file"]), framework="pt")
                     stored = handles[piece["file"]]
                     part = stored.get_slice(source)[where[0]] if where[0] else stored.get_tensor(source)

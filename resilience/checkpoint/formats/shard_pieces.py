@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 import torch
 
 from resilience.checkpoint.formats.sharded_model import ConsolidateError, shard_files
+from resilience.checkpoint.storage.remote_files import ensure_local
 from resilience.checkpoint.storage.safetensors_file import ST_DTYPES, dtype_of, read_safetensors_header
 
 # torch.distributed.checkpoint._hf_utils's keys (its CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY): the
@@ -176,6 +177,7 @@ def _output_file(path: Path) -> tuple[int, int]:
 def _header(path: Path) -> tuple[dict[str, Any], int]:
     """The header and the absolute offset where the tensors' bytes start."""
     header = read_safetensors_header(path)
+    ensure_local(path)
     with open(path, "rb") as fh:
         (length,) = struct.unpack("<Q", fh.read(8))
     if os.path.getsize(path) < 8 + length:

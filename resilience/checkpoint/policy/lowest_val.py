@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.layout import LOWEST_VAL, list_checkpoints, pointer_text_name
+from resilience.checkpoint.layout import LOWEST_VAL, list_checkpoints
 from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
-from resilience.checkpoint.storage.pointers import PointerError, read_pointer, write_pointer
+from resilience.checkpoint.storage.pointers import PointerError, delete_pointer, read_pointer, write_pointer
 
 log = logging.getLogger("resilience.checkpoint")
 
@@ -144,9 +144,7 @@ class LowestVal:
             if value is not None and (best is None or value < best[0]):
                 best = (value, path)
         if best is None:
-            for name in (LOWEST_VAL, pointer_text_name(LOWEST_VAL)):
-                if (self.root / name).is_symlink() or (self.root / name).exists():
-                    (self.root / name).unlink()
+            delete_pointer(self.root, LOWEST_VAL)
             self.best_value, self.best_name = None, None
             return True
         write_pointer(self.root, LOWEST_VAL, best[1])

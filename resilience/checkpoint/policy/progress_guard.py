@@ -92,6 +92,9 @@ def read(root: Path) -> dict[str, Any] | None:
 
 def _write(root: Path, doc: dict[str, Any]) -> None:
     path = root / STARTS_FILE
+    if not isinstance(root, Path):  # object storage: one PUT replaces the object atomically
+        path.write_text(json.dumps({**doc, "starts": starts(doc)}))
+        return
     root.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{STARTS_FILE}.tmp.{os.getpid()}")
     tmp.write_text(json.dumps({**doc, "starts": starts(doc)}))

@@ -38,10 +38,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from resilience.checkpoint.layout import POINTER_SUFFIX, PRUNING_PREFIX, list_checkpoints, parse_checkpoint_name
+from resilience.checkpoint.layout import LATEST, LOWEST_VAL, POINTER_SUFFIX, PRUNING_PREFIX, list_checkpoints, parse_checkpoint_name
 from resilience.checkpoint.policy.lineage import lineage
 from resilience.checkpoint.storage.durable import fsync_dir
 from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
+from resilience.checkpoint.storage.object_path import ObjectPath
 
 log = logging.getLogger("resilience.checkpoint")
 
@@ -56,6 +57,8 @@ def protected_targets(root: Path) -> set[Path]:
     where symlinks fail) or an absolute path. Unreadable pointers protect nothing.
     """
     targets: set[Path] = set()
+    if isinstance(root, ObjectPath):
+        return _object_targets(root)
     if not root.is_dir():
         return targets
     for child in root.iterdir():
@@ -73,7 +76,29 @@ def protected_targets(root: Path) -> set[Path]:
     return targets
 
 
+def _object_targets(root: ObjectPath) -> set[ObjectPath]:
+    """On object storage: the checkpoints named by the top-level pointer objects (``LATEST``,
+    ``LOWEST_VAL``, any ``*.txt`` of one line). A pointer that cannot be read protects everything
+    (``root`` itself): nothing is pruned on a guess."""
+    targets: set[ObjectPath] = set()
+    for child in root.iterdir():
+        if not child.is_file() or not (child.name in (LATEST, LOWEST_VAL) or child.suffix == POINTER_SUFFIX):
+            continue
+        try:
+            text = root.store.get_bytes(child.rel, 0, _POINTER_READ_BYTES).decode("utf-8", "replace")
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return {root}
+        first = text.strip().splitlines()[0].strip() if text.strip() else ""
+        if first and "/" not in first.strip("/") and first not in (".", ".."):
+            targets.add(root / first)
+    return targets
+
+
 def _is_protected(directory: Path, targets: set[Path]) -> bool:
+    if isinstance(directory, ObjectPath):
+        return any(t.rel == "" or t == directory or t.rel.startswith(directory.rel + "/") for t in targets)
     real = Path(os.path.realpath(directory))
     return any(target == real or real in target.parents for target in targets)
 

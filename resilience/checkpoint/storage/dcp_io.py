@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from resilience.checkpoint.layout import DCP_METADATA
 from resilience.checkpoint.storage.durable import DurableFile, FileRecord
+from resilience.checkpoint.storage.remote_files import source_of
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -66,6 +67,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     parses = 0
 
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.fs = _ReadingFileSystem()
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         """DCP's ``Metadata`` from ``<path>/.metadata``, unpickled with the restricted unpickler
         (the first call; later calls return the same object).
@@ -92,6 +97,22 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         self._resilience_metadata = metadata
         return metadata
+
+
+class _ReadingFileSystem(FileSystem):
+    """DCP's local filesystem for reading, where a file a resume from object storage did not
+    download is read from the store by ranges (:mod:`~resilience.checkpoint.storage.remote_files`)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        """The file's stream; a registered remote file's range-reading stream."""
+        remote = source_of(path) if mode == "rb" else None
+        if remote is None:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with remote.stream() as stream:
+            yield stream
 
 
 class _DigestingFileSystem(FileSystem):

@@ -19,17 +19,23 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import MANIFEST, needed_to_resume, rank_manifest_file
 from resilience.checkpoint.storage.durable import FileRecord, bytes_digest, entry_digest, file_digest, write_bytes
+from resilience.checkpoint.storage.object_path import ObjectPath
+from resilience.checkpoint.storage.object_store import StoreError
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 RANK_MANIFESTS = "rank_blocks"
 """The manifest's key of ``{"world_size": N, "block": B}`` (format 2)."""
+OBJECTS = "objects"
+"""The manifest's key, on object storage only, of the prefix (relative to the checkpoint root)
+holding the checkpoint's files: ``<name>/<checkpoint id>``, one per save, so a re-save of a
+step never overwrites the files the previous manifest describes (see :func:`data_dir`)."""
 OWNED = "owned_files"
 """A key a rank adds to its own parsed copy of a manifest (never written): the entries of the
 files of the saved ranks it checks (:func:`read_owned`), so the load's digest share finds them."""
@@ -39,10 +45,13 @@ class CheckpointInvalid(Exception):
     """A checkpoint directory is incomplete or corrupt; the message says which file and why."""
 
 
-def write_manifest(directory: Path, files: list[FileRecord], meta: dict[str, Any], rank_manifests: dict[str, int] | None = None) -> None:
+def write_manifest(
+    directory: Path, files: list[FileRecord], meta: dict[str, Any], rank_manifests: dict[str, int] | None = None, *, objects: str | None = None
+) -> None:
     """Write ``manifest.json`` (fsync'd) listing ``files`` (the rank manifests' among them) with
     ``meta``; ``rank_manifests``: ``{"world_size": N, "block": B}`` when the ranks' own files are in
-    rank manifests (:func:`write_rank_manifest`)."""
+    rank manifests (:func:`write_rank_manifest`); ``objects``: the prefix of the files on object
+    storage (:data:`OBJECTS`)."""
     doc: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "meta": meta,
@@ -50,6 +59,8 @@ def write_manifest(directory: Path, files: list[FileRecord], meta: dict[str, Any
     }
     if rank_manifests is not None:
         doc[RANK_MANIFESTS] = rank_manifests
+    if objects is not None:
+        doc[OBJECTS] = objects
     write_bytes(directory / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
 
 
@@ -60,6 +71,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointInvalid(f"{directory}: no {MANIFEST} (an incomplete save)") from None
+    except StoreError:
+        raise  # the store failed to answer (after its retries): nothing is known of the checkpoint
     except (OSError, ValueError) as exc:
         raise CheckpointInvalid(f"{path}: unreadable manifest ({exc})") from exc
     if not isinstance(doc, dict) or doc.get("format_version") not in READABLE_VERSIONS or not isinstance(doc.get("files"), dict):
@@ -67,7 +80,18 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     ranks = doc.get(RANK_MANIFESTS)
     if ranks is not None and not (isinstance(ranks, dict) and all(isinstance(ranks.get(k), int) and ranks[k] > 0 for k in ("world_size", "block"))):
         raise CheckpointInvalid(f"{path}: {RANK_MANIFESTS} is not {{world_size, block}} ({ranks!r})")
+    objects = doc.get(OBJECTS)
+    if objects is not None and not (isinstance(objects, str) and objects.strip("/") and ".." not in objects.split("/") and not objects.startswith("/")):
+        raise CheckpointInvalid(f"{path}: {OBJECTS} is not a prefix under the checkpoint root ({objects!r})")
     return doc
+
+
+def data_dir(directory: Any, doc: dict[str, Any]) -> Any:
+    """Where the files of the checkpoint ``directory`` (its parsed manifest ``doc``) lie: the
+    directory itself, or on object storage the save's own prefix (:data:`OBJECTS`, under the root;
+    a local copy of such a checkpoint holds its files in the directory itself)."""
+    objects = doc.get(OBJECTS)
+    return directory.parent / objects if objects and isinstance(directory, ObjectPath) else directory
 
 
 # Rank manifests (format 2): each block of ranks' own files.
@@ -105,10 +129,17 @@ def read_owned(directory: Path, doc: dict[str, Any], rank: int, world_size: int)
         CheckpointInvalid: a rank manifest is missing, of another size or digest than its entry,
             unreadable, or lacks a rank it should hold.
     """
+    return ranks_entries(directory, doc, owned_ranks(doc, rank, world_size))
+
+
+def ranks_entries(directory: Path, doc: dict[str, Any], saved_ranks: Iterable[int]) -> dict[str, Any]:
+    """The entries of the own files of ``saved_ranks``, from their rank manifests (each read once,
+    checked against its entry in ``doc``); ``{}`` for a format 1 manifest. Raises
+    :class:`CheckpointInvalid` as :func:`read_owned`."""
     ranks = doc.get(RANK_MANIFESTS)
     out: dict[str, Any] = {}
     blocks: dict[str, dict[str, Any]] = {}
-    for saved in owned_ranks(doc, rank, world_size):
+    for saved in saved_ranks if ranks else ():
         first = saved - saved % ranks["block"]
         rel = rank_manifest_file(first, min(first + ranks["block"], ranks["world_size"]) - 1)
         if rel not in blocks:
@@ -154,6 +185,8 @@ def _read_rank_manifest(directory: Path, rel: str, want: Any) -> dict[str, Any]:
         data = (directory / rel).read_bytes()
     except FileNotFoundError:
         raise CheckpointInvalid(f"{directory / rel}: missing") from None
+    except StoreError:
+        raise
     except OSError as exc:
         raise CheckpointInvalid(f"{directory / rel}: unreadable ({exc.strerror})") from exc
     if len(data) != want.get("size"):
@@ -185,16 +218,17 @@ def validate(directory: Path, *, checksums: bool = True, resume: bool = False, s
     doc = read_manifest(directory)
     if not sizes and not checksums:
         return doc  # the manifest alone: the rank manifests are read by the ranks that check them
-    every = all_files(directory, doc)
+    files_at = data_dir(directory, doc)
+    every = all_files(files_at, doc)
     files = {rel: want for rel, want in every.items() if needed_to_resume(rel)} if resume else every
     for rel, want in files.items():
-        problem = size_problem(directory / rel, want.get("size") if isinstance(want, dict) else want) if sizes else None
+        problem = size_problem(files_at / rel, want.get("size") if isinstance(want, dict) else want) if sizes else None
         if problem is not None:
-            raise CheckpointInvalid(f"{directory / rel}: {problem}")
+            raise CheckpointInvalid(f"{files_at / rel}: {problem}")
         if entry_digest(want) is None:
             raise CheckpointInvalid(f"{directory / MANIFEST}: the entry of {rel} has no digest")
     if checksums:
-        check_contents(directory, files)
+        check_contents(files_at, files)
     return doc
 
 
@@ -252,6 +286,8 @@ def size_problem(path: Path, size: Any) -> str | None:
         actual = path.stat().st_size
     except FileNotFoundError:
         return "missing"
+    except StoreError:
+        raise
     except OSError as exc:
         return f"unreadable ({exc.strerror})"
     return None if actual == size else f"{actual} bytes, manifest says {size} (truncated?)"
@@ -266,6 +302,8 @@ def digest_problem(path: Path, want: dict[str, Any], advance: Callable[[int], ob
         return "its manifest entry has no digest"
     try:
         actual = file_digest(path, digest[0], advance)
+    except StoreError:
+        raise
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
     return None if actual == digest[1] else "checksum mismatch (corrupted bytes)"

@@ -2,6 +2,8 @@
 
 The swap is temp name + ``os.replace`` (never delete-then-create), so a crash leaves either the
 old or the new pointer, never none. A pointer that leads outside ``checkpoint_dir`` is refused.
+On object storage a pointer is a small object holding the name, written with a conditional PUT
+(:meth:`~resilience.checkpoint.storage.object_store.ObjectStore.write_pointer`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 
 from resilience.checkpoint.layout import pointer_text_name
 from resilience.checkpoint.storage.durable import fsync_dir, write_bytes
+from resilience.checkpoint.storage.object_path import ObjectPath
 
 
 class PointerError(ValueError):
@@ -21,9 +24,13 @@ def write_pointer(root: Path, name: str, target: Path) -> None:
     """Point ``root/name`` at ``target`` (a directory directly under ``root``), durably.
 
     Raises:
-        OSError: the filesystem refused (the previous pointer is left as it was).
+        OSError: the filesystem or store refused (the previous pointer is left as it was); on object
+            storage ``PreconditionFailed`` when another writer moved it since this process read it.
     """
     rel = target.name
+    if isinstance(root, ObjectPath):
+        root.store.write_pointer(name, rel)
+        return
     tmp = root / f".{name}.tmp.{os.getpid()}"
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
@@ -53,6 +60,12 @@ def read_pointer(root: Path, name: str) -> Path | None:
         PointerError: the pointer leads outside ``root`` (absolute, ``..``, or nested).
     """
     link = root / name
+    if isinstance(root, ObjectPath):
+        rel = root.store.read_pointer(name)
+        if rel is None:
+            return None
+        _check_target(link, rel, root)
+        return root / rel.strip("/")
     txt = root / pointer_text_name(name)
     if link.is_symlink():
         rel = os.readlink(link)
@@ -60,10 +73,25 @@ def read_pointer(root: Path, name: str) -> Path | None:
         rel = txt.read_text().strip()
     else:
         return None
-    if not rel or os.path.isabs(rel) or "/" in rel.strip("/") or rel in (".", ".."):
-        raise PointerError(f"{link}: pointer target {rel!r} is outside {root}; refusing to follow it")
+    _check_target(link, rel, root)
     target = root / rel.strip("/")
     if target.is_symlink():
         # A checkpoint name that is itself a link could lead anywhere; list_checkpoints skips them too.
         raise PointerError(f"{link}: pointer target {rel!r} is a symlink; refusing to follow it")
     return target
+
+
+def _check_target(link: object, rel: str, root: object) -> None:
+    """Raise :class:`PointerError` unless ``rel`` names an entry directly under ``root``."""
+    if not rel or os.path.isabs(rel) or "/" in rel.strip("/") or rel in (".", ".."):
+        raise PointerError(f"{link}: pointer target {rel!r} is outside {root}; refusing to follow it")
+
+
+def delete_pointer(root: Path, name: str) -> None:
+    """Remove pointer ``root/name`` in either form (no error when absent)."""
+    if isinstance(root, ObjectPath):
+        root.store.delete_pointer(name)
+        return
+    for path in (root / name, root / pointer_text_name(name)):
+        if path.is_symlink() or path.exists():
+            path.unlink()

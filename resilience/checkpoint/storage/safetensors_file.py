@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from resilience.checkpoint.storage.durable import DurableFile, FileRecord
+from resilience.checkpoint.storage.remote_files import ensure_local
 
 # safetensors header dtype codes -> torch dtype names (the names used in our JSON files).
 ST_DTYPES = {
@@ -119,6 +120,7 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     Raises:
         ValueError: not a safetensors file (bad length prefix or header).
     """
+    ensure_local(path)
     with open(path, "rb") as fh:
         prefix = fh.read(8)
         if len(prefix) != 8:
@@ -149,6 +151,7 @@ def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None,
         OSError: the file cannot be read.
     """
     targets = targets or {}
+    ensure_local(path)
     with open(path, "rb", buffering=0) as fh:
         size = os.fstat(fh.fileno()).st_size
         head = fh.read(8)
