@@ -509,6 +509,7 @@ def _tear(root: Path | str) -> str | None:
         largest = max(files_at.store.list(files_at.rel)[0], key=lambda o: o.size)
         files_at.store.put_bytes(largest.rel, files_at.store.get_bytes(largest.rel)[:-1])
         return largest.rel
+    root = Path(root)
     files = sorted((p for p in (root / name).rglob("*") if p.is_file() and p.name != "manifest.json"), key=lambda p: p.stat().st_size)
     if not files:
         return None
