@@ -14,7 +14,7 @@ Then, from the model ``hops x hop latency`` (:func:`resilience.stop.node_groups.
 round at N = 1,024 and 8,192 ranks, 8 per node, for the flat ring and for node groups, with the
 interval carried through, and the same from the published per-hop range (0.2-0.4 s for the flat
 ring at 1,024 ranks: 98-196 us a hop). A round longer than the time between two agreement
-rounds (``agreement_interval_s``, 0.1 s by default) would block the update that reads it by the
+rounds (``agreement_interval_s``, the library's default) would block the update that reads it by the
 difference; the cadence floor (``auto``: rounds at least 2 measured rounds apart) removes that
 wait and stretches the stop latency instead (within about twice the interval), shown beside it.
 On this shared 2-core machine 4 processes wait for CPU, so a hop here is scheduling-bound, not a
@@ -36,11 +36,12 @@ from typing import Any
 
 from bench.common import REPO
 from bench.stats import median_interval
+from resilience.config import StepSchedulerConfig
 
 SIZES = (2, 4)
 AT_RANKS = (1024, 8192)
 PER_NODE = 8
-INTERVAL_S = 0.1  # step_scheduler.agreement_interval_s's default
+INTERVAL_S = StepSchedulerConfig().agreement_interval_s  # the library's default
 PUBLISHED_HOP_S = (0.2 / 2046, 0.4 / 2046)  # 0.2-0.4 s for a flat ring of 1,024 ranks
 
 
@@ -108,7 +109,7 @@ def _scaled(interval: dict[str, Any], hops: int) -> dict[str, Any]:
     return {
         "hops": hops,
         "round_s": round_s,
-        "blocks_update_s": blocks,  # at a fixed 0.1 s between rounds
+        "blocks_update_s": blocks,  # at the default interval between rounds
         "floor_interval_s": floor,  # auto with the floor: the time between rounds; no update waits
         "stop_within_s": {k: (2 * v if v is not None else None) for k, v in floor.items()},
         "confidence": interval["confidence"],
@@ -170,7 +171,7 @@ def table(doc: dict[str, Any]) -> str:
         f"gloo hop here: {1e6 * hop['median']:.1f} us (95 % interval {1e6 * hop['ci_low']:.1f}-{1e6 * hop['ci_high']:.1f}, {hop['n']} rounds); "
         f"{doc['per_node']} ranks per node; an update blocks when the round exceeds {doc['interval_s']} s",
         "",
-        "| N | scheme | hops | round here, ms (interval) | blocks an update at 0.1 s, ms | with the floor: stop within, s | round at published hops, ms |",
+        "| N | scheme | hops | round here, ms (interval) | blocks an update, ms | with the floor: stop within, s | round at published hops, ms |",
         "|---|---|---:|---|---:|---:|---|",
     ]
     for n, cells in doc["model"].items():

@@ -48,11 +48,12 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from bench.common import example_module
+from resilience.config import StepSchedulerConfig
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 REPO = Path(__file__).resolve().parents[1]
-AUTO_INTERVAL_S = 0.1  # step_scheduler.agreement_interval_s's default
+AUTO_INTERVAL_S = StepSchedulerConfig().agreement_interval_s  # the library's default
 EXAMPLE = REPO / "examples" / "digits"
 
 

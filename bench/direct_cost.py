@@ -46,10 +46,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from resilience.config import StepSchedulerConfig
+
 if TYPE_CHECKING:
     from bench.ddp_worker import DigitsRun
 
-AUTO_INTERVAL_S = 0.1  # step_scheduler.agreement_interval_s's default
+AUTO_INTERVAL_S = StepSchedulerConfig().agreement_interval_s  # the library's default
 
 
 def _tasks() -> set[int]:

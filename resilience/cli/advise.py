@@ -16,6 +16,7 @@ from typing import Any
 
 from resilience.checkpoint.layout import CONFIG, MANIFEST, list_checkpoints
 from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, print_doc, saved_section
+from resilience.config import StepSchedulerConfig
 from resilience.exit_codes import ExitCode
 
 HELP = "recommend #SBATCH --signal=B:USR1@N from the step and save times recorded in the checkpoints' manifests"
@@ -141,7 +142,7 @@ def advise(
         if agreement_every_steps != "auto" and not (isinstance(agreement_every_steps, int) and agreement_every_steps >= 1):
             agreement_every_steps = "auto"
     if agreement_interval_s is None:
-        agreement_interval_s = settings.get("agreement_interval_s", 0.1)
+        agreement_interval_s = settings.get("agreement_interval_s", StepSchedulerConfig().agreement_interval_s)
     signal_name = settings.get("signal", "USR1")
     if agreement_every_steps == "auto":
         agreement_every_steps = auto_cadence(step_s, agreement_interval_s) or 1

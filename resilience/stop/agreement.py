@@ -8,7 +8,7 @@ collective that had less than a whole cadence to finish (measured on 2 CPU ranks
 all-reduce every step costs 2-8 % of a 20-40 ms step; this pattern about a quarter of that).
 
 At scale the round itself is the cost: gloo's ring all-reduce takes ``2(N - 1)`` sequential hops,
-past a 0.1 s cadence at thousands of ranks. When the ranks span several nodes, with several ranks
+past the default 0.25 s cadence at thousands of ranks. When the ranks span several nodes, with several ranks
 on a node, the MAX runs on node-local groups plus a group of node leaders instead
 (:mod:`resilience.stop.node_groups`; bench/agreement.py measures the hop and prints both costs).
 """
