@@ -31,7 +31,7 @@ from resilience.checkpoint.policy.savable import check_savable
 from resilience.checkpoint.policy.world_size import world_size_problem
 from resilience.checkpoint.resume import Resuming
 from resilience.checkpoint.staging import StagingBuffers
-from resilience.checkpoint.storage.object_path import is_object, root_location
+from resilience.checkpoint.storage.object_path import Location, is_object, root_location
 from resilience.checkpoint.storage.object_store import StoreUnavailable
 from resilience.checkpoint.writer import describe_failure, phase, publish, raise_publish_verdict, save_failures, write_checkpoint
 from resilience.config import CheckpointConfig, ConfigError
@@ -185,7 +185,10 @@ class Checkpointer(Resuming):
     def log_root(self) -> Path:
         """Where rank 0's ``training.jsonl``/``validation.jsonl`` go: the checkpoint root, or on object
         storage the local directory (an object cannot be appended to)."""
-        return self.local if self.local is not None else self.root
+        if self.local is not None:
+            return self.local
+        assert isinstance(self.root, Path), "a root on object storage has its local directory"
+        return self.root
 
     def record_validation(self, global_step: int, metrics: dict[str, Any]) -> tuple[str, float | None]:
         """Remember ``metrics`` for the checkpoint of ``global_step``; returns the deciding metric.
@@ -357,7 +360,7 @@ class Checkpointer(Resuming):
             if self._async_ctx is not None and self._async_ctx is not self.ctx and not self.save_in_flight:
                 self._async_ctx.close()
 
-    def _after_publish(self, final: Path, value: float | None) -> list[str]:
+    def _after_publish(self, final: Location, value: float | None) -> list[str]:
         """Rank 0, once ``LATEST`` names ``final``: move ``LOWEST_VAL``, then retention's victims
         renamed aside; returns their names (deleted after the save's last collective, see :meth:`_delete`)."""
         phase("after_publish")
@@ -374,7 +377,7 @@ class Checkpointer(Resuming):
             config=self.config,
             ctx=self.ctx,
             group=self.ctx.group if self._async is None else self._async_ctx.group,
-            root=self.root,
+            root=self.log_root,  # a PEFT model's adapters are written ahead into it: a local directory, also on object storage
             buffers=self._buffers if snapshot else None,
             run_config=self.run_config,
             global_batch_size=self.global_batch_size,
