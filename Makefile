@@ -24,10 +24,12 @@ demo: $(STAMP)
 	$(PY) examples/digits/demo.py
 	$(PY) examples/llm/demo.py
 
-# Lint first: a ruff violation (style, unused code, a missing docstring in resilience/) or an unformatted file fails the target.
+# Lint first: a ruff violation (style, unused code, a missing docstring in resilience/), an unformatted file or a
+# type error in resilience/ (mypy, configured in pyproject.toml; docs/how-it-works.md#type-checking) fails the target.
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 test: lint
 	$(PY) -m pytest

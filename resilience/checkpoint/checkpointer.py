@@ -31,7 +31,7 @@ from resilience.checkpoint.policy.savable import check_savable
 from resilience.checkpoint.policy.world_size import world_size_problem
 from resilience.checkpoint.resume import Resuming
 from resilience.checkpoint.staging import StagingBuffers
-from resilience.checkpoint.storage.object_path import is_object, root_location
+from resilience.checkpoint.storage.object_path import Location, ObjectPath, is_object, root_location
 from resilience.checkpoint.storage.object_store import StoreUnavailable
 from resilience.checkpoint.writer import describe_failure, phase, publish, raise_publish_verdict, save_failures, write_checkpoint
 from resilience.config import CheckpointConfig, ConfigError
@@ -119,11 +119,12 @@ class Checkpointer(Resuming):
         self.validation: dict[int, dict[str, Any]] = {}
         """Rank 0: validation metrics by global step, waiting for that step's checkpoint."""
         self.parent: dict[str, Any] | None = None
-        self._chosen_manifest: tuple[Path | None, dict[str, Any] | None] = (None, None)
+        self._chosen_manifest: tuple[Location | None, dict[str, Any] | None] = (None, None)
         """The checkpoint the next save continues (``{"name", "checkpoint_id"}``): the one resumed
         from, then the previous save; ``None`` at step 0 (see :mod:`resilience.checkpoint.policy.lineage`)."""
         self._async: AsyncWriter | None = None
-        self._async_ctx: DistContext | None = None
+        self._async_ctx: DistContext = ctx
+        """The asynchronous save's group: a gloo group of its own across ranks (else ``ctx``)."""
         self._buffers = StagingBuffers()
         self._pruning = Pruning(config, self.root)
         self._layout_cache = LayoutCache(enabled=config.save_global_layout_cache)
@@ -156,7 +157,7 @@ class Checkpointer(Resuming):
         if not self.config.enabled:
             return
         if is_object(self.root):
-            self._check_store()
+            self._check_store(self.root)
         problem = resized = None
         if self.ctx.rank == 0:
             problem = None if is_object(self.root) else root_problem(self.root, saving=self.config.enable_save)
@@ -171,12 +172,12 @@ class Checkpointer(Resuming):
         if resized:
             raise ConfigError(resized)
 
-    def _check_store(self) -> None:
+    def _check_store(self, root: ObjectPath) -> None:
         """Object storage: the store is usable (credentials, bucket or profile; rank 0 also writes
         and deletes a probe when saving), checked on every rank; a ``ConfigError`` on every rank
         naming ``checkpoint.checkpoint_dir`` and what was tried, else ``None``."""
         try:
-            problem = self.root.store.problem(saving=self.config.enable_save and self.ctx.rank == 0)
+            problem = root.store.problem(saving=self.config.enable_save and self.ctx.rank == 0)
         except Exception as exc:  # noqa: BLE001 - a client that cannot even ask is a configuration problem
             problem = f"{type(exc).__name__}: {exc}"
         self.ctx.gather_or_raise(problem, fail=lambda detail: ConfigError(f"checkpoint.checkpoint_dir={self.config.checkpoint_dir!r}: {detail}"))
@@ -185,7 +186,10 @@ class Checkpointer(Resuming):
     def log_root(self) -> Path:
         """Where rank 0's ``training.jsonl``/``validation.jsonl`` go: the checkpoint root, or on object
         storage the local directory (an object cannot be appended to)."""
-        return self.local if self.local is not None else self.root
+        if self.local is not None:
+            return self.local
+        assert isinstance(self.root, Path), "a root on object storage has its local directory"
+        return self.root
 
     def record_validation(self, global_step: int, metrics: dict[str, Any]) -> tuple[str, float | None]:
         """Remember ``metrics`` for the checkpoint of ``global_step``; returns the deciding metric.
@@ -198,7 +202,7 @@ class Checkpointer(Resuming):
         return chosen
 
     # -- save ---------------------------------------------------------------------------------
-    def save(self, reason: SaveReason = "periodic", *, parts: list[Part] | None = None, meta: dict[str, Any] | None = None) -> Path | None:
+    def save(self, reason: SaveReason = "periodic", *, parts: list[Part] | None = None, meta: dict[str, Any] | None = None) -> Location | None:
         """Checkpoint the registered state at the registered scheduler's step; returns the directory
         it is (or, async, will be) published as.
 
@@ -272,22 +276,26 @@ class Checkpointer(Resuming):
         self._async.submit(functools.partial(self._write, self._async_ctx, name, parts, meta, value), description=name)
         return self.root / name
 
-    def _write(self, ctx: DistContext, name: str, parts: list[Part], meta: dict[str, Any], value: float | None) -> Path:
+    def _write(self, ctx: DistContext, name: str, parts: list[Part], meta: dict[str, Any], value: float | None) -> Location:
         """Write, publish, then move the other pointers and apply retention; a collective over
         ``ctx`` (the background writer's group for an asynchronous save, run in its thread).
         Returns the published directory; raises ``CheckpointSaveError`` on every rank when any
         step failed anywhere (``LATEST`` is then unchanged, unless only the steps after it failed)."""
         started = time.monotonic()
         # object storage: each rank stages locally, under rank 0's checkpoint id (the files' prefix)
-        sink = Sink.for_save(self.root, self.local, name, ctx.broadcast_object(meta["checkpoint_id"]), ctx.rank) if self.local else None
+        sink = None
+        if is_object(self.root):
+            assert self.local is not None, "a root on object storage has its local directory"
+            sink = Sink.for_save(self.root, self.local, name, ctx.broadcast_object(meta["checkpoint_id"]), ctx.rank)
         try:
             written = write_checkpoint(ctx, self.root, name, parts, sink)  # every rank's files durable (and uploaded), or raise
             error, victims = None, []
             if ctx.rank == 0:
                 try:
-                    if sink is None:
+                    if isinstance(self.root, Path):
                         publish(self.root, name, written, meta)  # manifest, rename, LATEST
                     else:
+                        assert sink is not None
                         self._pruning.replaced(name, object_save.publish(self.root, name, written, meta, sink))  # manifest, LATEST
                 except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
                     error = describe_failure(exc)
@@ -354,10 +362,10 @@ class Checkpointer(Resuming):
         finally:
             self._pruning.finish(self.ctx)
             self._buffers.forget()
-            if self._async_ctx is not None and self._async_ctx is not self.ctx and not self.save_in_flight:
+            if self._async_ctx is not self.ctx and not self.save_in_flight:
                 self._async_ctx.close()
 
-    def _after_publish(self, final: Path, value: float | None) -> list[str]:
+    def _after_publish(self, final: Location, value: float | None) -> list[str]:
         """Rank 0, once ``LATEST`` names ``final``: move ``LOWEST_VAL``, then retention's victims
         renamed aside; returns their names (deleted after the save's last collective, see :meth:`_delete`)."""
         phase("after_publish")
@@ -374,7 +382,7 @@ class Checkpointer(Resuming):
             config=self.config,
             ctx=self.ctx,
             group=self.ctx.group if self._async is None else self._async_ctx.group,
-            root=self.root,
+            root=self.log_root,  # a PEFT model's adapters are written ahead into it: a local directory, also on object storage
             buffers=self._buffers if snapshot else None,
             run_config=self.run_config,
             global_batch_size=self.global_batch_size,

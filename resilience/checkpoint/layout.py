@@ -66,7 +66,10 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from pathlib import Path
+from collections.abc import Iterator
+from typing import Protocol, TypeVar
+
+from typing_extensions import Self
 
 # The checkpoint root.
 LATEST = "LATEST"
@@ -159,7 +162,32 @@ def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def list_checkpoints(root: Path) -> list[Path]:
+def checkpoint_counters(name: str) -> tuple[int, int]:
+    """``(epoch, global_step)`` of a name known to be a checkpoint's (one :func:`list_checkpoints`
+    returned); ``ValueError`` for any other name."""
+    parsed = parse_checkpoint_name(name)
+    if parsed is None:
+        raise ValueError(f"{name!r} is not a checkpoint name (epoch_<E>_step_<S>)")
+    return parsed
+
+
+class Directory(Protocol):
+    """What :func:`list_checkpoints` reads of a directory: a ``Path`` or an ``ObjectPath`` (this
+    module imports no storage code)."""
+
+    @property
+    def name(self) -> str: ...  # noqa: D102
+    def __truediv__(self, other: str) -> Directory: ...
+    def is_dir(self) -> bool: ...  # noqa: D102
+    def iterdir(self) -> Iterator[Self]: ...  # noqa: D102
+    def is_file(self) -> bool: ...  # noqa: D102
+    def is_symlink(self) -> bool: ...  # noqa: D102
+
+
+_D = TypeVar("_D", bound=Directory)
+
+
+def list_checkpoints(root: _D) -> list[_D]:
     """Checkpoint directories under ``root`` (published ones only), newest global step first. On
     object storage, where a prefix exists as soon as one object lies under it, only those holding
     their manifest (the commit point; one HEAD each)."""

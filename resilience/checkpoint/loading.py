@@ -19,6 +19,7 @@ from resilience.checkpoint.formats.extra_state import load_extra_state
 from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, STEP_SCHEDULER, is_optim_file
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.manifest import RANK_MANIFESTS
+from resilience.checkpoint.storage.object_path import Location
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
 from resilience.sharded_types import any_dtensor
@@ -34,7 +35,7 @@ log = logging.getLogger("resilience.checkpoint")
 class Restored:
     """What :meth:`Checkpointer.load` restored, plus what the loop applies later."""
 
-    directory: Path
+    directory: Location
     step_scheduler: dict[str, int]
     data_position: dict[str, Any] | None
     rng_file: Path | None

@@ -103,6 +103,8 @@ def checkpoint_parts(
     the run's records: ``config.yaml``, counters, ``common.json`` and ``losses.json`` (from
     ``training_rows`` and ``validation``). ``layout_cache`` and ``optim_cache`` (the
     checkpointer's) reuse the model's and a sharded optimizer's plans while the layout is unchanged.
+    ``root``: a local directory, where a PEFT model's adapters are written ahead of the save (the
+    checkpoint root; on object storage its local directory, never the store).
     """
     rank = ctx.rank
     parts = []

@@ -47,7 +47,7 @@ class CheckpointCorrupted(CheckpointInvalid):
     what was loaded from it must not be used."""
 
 
-def mark_bad(directory: Path, why: str) -> None:
+def mark_bad(directory: Location, why: str) -> None:
     """Write ``directory/.bad`` so no later start tries this checkpoint again (best effort)."""
     try:
         (directory / BAD_MARKER).write_text(why + "\n")
@@ -55,13 +55,13 @@ def mark_bad(directory: Path, why: str) -> None:
         pass
 
 
-def _choose(ctx: DistContext, root: Path, restore_from: str | None, key: str, checksums: bool) -> tuple[str | None, dict[str, Any] | None, list[str]]:
+def _choose(ctx: DistContext, root: Location, restore_from: str | None, key: str, checksums: bool) -> tuple[str | None, dict[str, Any] | None, list[str]]:
     """(directory to resume from or None, its manifest, warnings). Runs on rank 0, the other ranks
     in :func:`~resilience.checkpoint.size_checks.follow` meanwhile (each candidate's size check is theirs too); marks the candidates
     found invalid as bad, so no later start checks them again."""
     check = functools.partial(size_checks.check_candidate, ctx, checksums=checksums)
     if restore_from is not None:
-        path = Path(restore_from)
+        path: Location = Path(restore_from)
         if not path.is_absolute() and (is_object(root) or not path.exists()):
             path = root / restore_from
         try:
@@ -86,16 +86,16 @@ def _choose(ctx: DistContext, root: Path, restore_from: str | None, key: str, ch
 
 
 def find_resume_checkpoint(
-    ctx: DistContext, root: Path, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True
-) -> Path | None:
+    ctx: DistContext, root: Location, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True
+) -> Location | None:
     """The checkpoint every rank should resume from, or ``None`` for a fresh start (collective);
     :func:`find_resume_point` without the manifest."""
     return find_resume_point(ctx, root, restore_from, key=key, checksums=checksums)[0]
 
 
 def find_resume_point(
-    ctx: DistContext, root: Path, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True
-) -> tuple[Path | None, dict[str, Any] | None]:
+    ctx: DistContext, root: Location, restore_from: str | None, *, key: str = "checkpoint.restore_from", checksums: bool = True
+) -> tuple[Location | None, dict[str, Any] | None]:
     """(the checkpoint every rank should resume from, its manifest), or ``(None, None)`` for a fresh
     start (collective). Rank 0 chooses (:func:`~resilience.checkpoint.resume_choice.choose`) and
     parses each candidate's manifest once; every rank receives it and checks the sizes of its share
@@ -184,7 +184,7 @@ def checking_while_loading(
     ctx.gather_or_raise(own, fail=lambda detail: error or RuntimeError(f"loading {directory.name} failed on {detail}"))
 
 
-def _corrupted(ctx: DistContext, directory: Path, detail: str, cause: BaseException | None) -> CheckpointCorrupted:
+def _corrupted(ctx: DistContext, directory: Location, detail: str, cause: BaseException | None) -> CheckpointCorrupted:
     """The error every rank raises for corrupt files (``detail``: each rank's finding); rank 0
     marks ``directory`` bad first, so no later start chooses it again."""
     if ctx.rank == 0:

@@ -20,11 +20,14 @@ from resilience.checkpoint import object_load
 from resilience.checkpoint.layout import LATEST, MANIFEST, parse_checkpoint_name
 from resilience.checkpoint.loading import Restored, balanced_loading, inline_files, load_state
 from resilience.checkpoint.policy.lineage import descends_from, meta_of, parent_ref
+from resilience.checkpoint.policy.lowest_val import LowestVal
 from resilience.checkpoint.reader import CheckpointCorrupted, CheckpointNotFound, checking_while_loading, find_resume_point
 from resilience.checkpoint.resume_choice import remove_leftovers
 from resilience.checkpoint.storage.manifest import read_manifest
-from resilience.checkpoint.storage.object_path import is_object
+from resilience.checkpoint.storage.object_path import Location, is_object
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer
+from resilience.config import CheckpointConfig
+from resilience.distributed import DistContext
 from resilience.state.batch_size import continue_with_batch_size
 from resilience.state.data_parallel import DataParallel
 from resilience.state.rng import load_rng_state
@@ -38,12 +41,17 @@ class Resuming:
     only to keep the save side and the load side in modules of their own; it uses the
     checkpointer's ``config``, ``ctx``, ``root``, ``state``, ``lowest_val`` and bookkeeping)."""
 
+    config: CheckpointConfig
+    ctx: DistContext
+    root: Location
+    state: TrainingState | None
+    lowest_val: LowestVal
     resume_source: str | None
     run_id: str | None
     run_config: dict[str, Any]
     global_batch_size: int | None
     data_parallel: DataParallel | None
-    _chosen_manifest: tuple[Path | None, dict[str, Any] | None]
+    _chosen_manifest: tuple[Location | None, dict[str, Any] | None]
     local: Path | None
     verify_choice: bool = False
     """Digest every file of the checkpoint chosen to resume from before it is returned (a
@@ -59,7 +67,7 @@ class Resuming:
         that exists but holds no valid checkpoint is found by :meth:`restore` (``CheckpointNotFound``)."""
         cfg = self.config
         if cfg.restore_from is not None:
-            path = Path(cfg.restore_from)
+            path: Location = Path(cfg.restore_from)
             if is_object(self.root) and not path.is_absolute():
                 path = self.root / cfg.restore_from  # a name under the bucket's prefix
             if not path.exists() and (path.is_absolute() or is_object(path) or not (self.root / path).exists()):
@@ -108,7 +116,7 @@ class Resuming:
             )
         return None
 
-    def find_resume_point(self) -> Path | None:
+    def find_resume_point(self) -> Location | None:
         """The directory to resume from (``restore_from`` or ``LATEST`` with fallback), or ``None``.
 
         Checks manifests and file sizes; the bytes are checked while :meth:`load` reads them.
@@ -141,7 +149,7 @@ class Resuming:
         setting its own progress aside; a run of another id still starts from ``restore_from``.
         Decided on rank 0 (a collective)."""
         verdict = None
-        if self.ctx.rank == 0 and self.run_id is not None:
+        if self.ctx.rank == 0 and self.run_id is not None and self.config.restore_from is not None:
             path = Path(self.config.restore_from)
             target = path if path.is_absolute() or (path.exists() and not is_object(self.root)) else self.root / self.config.restore_from
             try:
@@ -158,8 +166,9 @@ class Resuming:
                 )
         return self.ctx.broadcast_object(verdict) is not None
 
-    def _find_load_path(self) -> tuple[Path, dict[str, Any]]:
+    def _find_load_path(self) -> tuple[Location | None, dict[str, Any] | None]:
         """``load_path`` as a checkpoint directory, or as a root whose ``LATEST`` (with fallback) is followed."""
+        assert self.config.load_path is not None, "called only with a load_path"
         path = Path(self.config.load_path).absolute()
         if (path / MANIFEST).exists() or parse_checkpoint_name(path.name):
             return find_resume_point(self.ctx, self.root, str(path), key="checkpoint.load_path", checksums=self.verify_choice)
@@ -171,7 +180,7 @@ class Resuming:
             )
         return found
 
-    def load(self, directory: Path, state: TrainingState) -> Restored:
+    def load(self, directory: Location, state: TrainingState) -> Restored:
         """Restore model, optimizer, LR scheduler and extra state from ``directory`` in place.
 
         With ``no_load_optim`` and a checkpoint named by ``load_path`` or ``restore_from``, only the
@@ -195,17 +204,18 @@ class Resuming:
         balanced = balanced_loading(self.config, self.ctx)
         checkpoint, fetched = directory, None
         if is_object(directory):  # each rank downloads what it reads whole; the rest is read by ranges
+            assert self.local is not None, "a root on object storage has its local directory"
             optimizer = state.optimizer is not None and not weights_only and manifest["meta"].get("optimizer_saved", True)
             fetched = object_load.fetch(
                 self.ctx, directory, manifest, self.local, inline=inline, balanced=balanced, optimizer=optimizer, data_parallel=self.data_parallel
             )
-            directory = fetched.directory
+            files = fetched.directory
+        else:
+            files = directory
         restored = None
         try:
-            with checking_while_loading(self.ctx, directory, manifest, inline=inline, balanced=balanced, checkpoint=checkpoint) as check:
-                restored = load_state(
-                    directory, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check, data_parallel=self.data_parallel
-                )
+            with checking_while_loading(self.ctx, files, manifest, inline=inline, balanced=balanced, checkpoint=checkpoint) as check:
+                restored = load_state(files, manifest, state, self.ctx, self.config, weights_only=weights_only, check=check, data_parallel=self.data_parallel)
         finally:
             if fetched is not None:
                 fetched.close(keep=restored.rng_file if restored is not None else None)
@@ -214,7 +224,7 @@ class Resuming:
             self._continue_from(checkpoint, restored.meta)
         return restored
 
-    def adopt(self, directory: Path) -> dict[str, Any]:
+    def adopt(self, directory: Location) -> dict[str, Any]:
         """Continue from ``directory``, the choice of :meth:`find_resume_point`, whose files the
         caller's own trainer loads (a trainer integration): what :meth:`load` records besides the
         state (``LOWEST_VAL`` reloaded, the step last saved, the lineage parent, the run id).
@@ -231,7 +241,7 @@ class Resuming:
         self._continue_from(directory, meta)
         return meta
 
-    def _continue_from(self, directory: Path, meta: dict[str, Any]) -> None:
+    def _continue_from(self, directory: Location, meta: dict[str, Any]) -> None:
         """Record that the next save continues ``directory`` (its manifest ``meta``)."""
         if self.ctx.rank == 0 and self.resume_source != "load_path":
             self.lowest_val.reload()  # the best so far survives the restart

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.layout import BAD_MARKER, LATEST, STAGING_PREFIX, TRASH_PREFIX, list_checkpoints, parse_checkpoint_name
+from resilience.checkpoint.layout import BAD_MARKER, LATEST, STAGING_PREFIX, TRASH_PREFIX, checkpoint_counters, list_checkpoints, parse_checkpoint_name
 from resilience.checkpoint.policy.lineage import lineage, meta_of
 from resilience.checkpoint.policy.orphans import remove_orphans
 from resilience.checkpoint.storage.durable import fsync_dir
 from resilience.checkpoint.storage.manifest import CheckpointInvalid
-from resilience.checkpoint.storage.object_path import ObjectPath
+from resilience.checkpoint.storage.object_path import Location, ObjectPath
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 
 
@@ -39,19 +39,19 @@ class Skipped:
 class ResumeChoice:
     """The result of :func:`choose`."""
 
-    chosen: Path | None
+    chosen: Location | None
     """The checkpoint to resume from; ``None`` for a fresh start."""
     manifest: dict[str, Any] | None
     """``chosen``'s manifest as ``check`` returned it (parsed once, passed on to the load)."""
-    latest: Path | None
+    latest: Location | None
     """Where ``LATEST`` points, or ``None`` (absent or unreadable)."""
     latest_problem: str | None
     """Why ``LATEST`` was ignored (an unreadable pointer), or ``None``."""
-    candidates: list[Path]
+    candidates: list[Location]
     skipped: list[Skipped]
 
 
-def choose(root: Path, check: Callable[[Path], dict[str, Any]]) -> ResumeChoice:
+def choose(root: Location, check: Callable[[Path], dict[str, Any]]) -> ResumeChoice:
     """The first of :func:`resume_candidates` that is not marked bad and passes ``check``.
 
     Args:
@@ -80,7 +80,7 @@ def choose(root: Path, check: Callable[[Path], dict[str, Any]]) -> ResumeChoice:
     return ResumeChoice(None, None, latest, latest_problem, candidates, skipped)
 
 
-def resume_candidates(root: Path, latest: Path | None) -> list[Path]:
+def resume_candidates(root: Location, latest: Location | None) -> list[Location]:
     """Checkpoints to try, in order: ``LATEST`` (without it, the most recently saved checkpoint),
     its lineage, then the other checkpoints (no newer than ``LATEST`` when there is one), newest
     step first. Read-only."""
@@ -91,7 +91,7 @@ def resume_candidates(root: Path, latest: Path | None) -> list[Path]:
         head = max(listed, key=_saved_at) if listed else None
     else:
         head = latest
-        listed = [path for path in listed if parsed is None or parse_checkpoint_name(path.name)[1] <= parsed[1]]
+        listed = [path for path in listed if parsed is None or checkpoint_counters(path.name)[1] <= parsed[1]]
     if head is None:
         return []
     candidates = lineage(root, head) if head.is_dir() else [head]
@@ -103,7 +103,7 @@ def _saved_at(directory: Path) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
-def remove_leftovers(root: Path) -> list[Path]:
+def remove_leftovers(root: Location) -> list[Location]:
     """Delete staging and trash directories left by a crashed save (rank 0, at start-up, before
     :func:`choose`). Returns what was removed.
 
@@ -113,7 +113,7 @@ def remove_leftovers(root: Path) -> list[Path]:
     """
     if isinstance(root, ObjectPath):
         return [root / prefix for prefix in remove_orphans(root)]
-    removed = []
+    removed: list[Location] = []
     if root.is_dir():
         for child in root.iterdir():
             if child.name.startswith(TRASH_PREFIX) and child.is_dir():

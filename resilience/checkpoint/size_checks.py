@@ -25,7 +25,7 @@ from resilience.checkpoint.storage.manifest import (
     resume_files,
     validate,
 )
-from resilience.checkpoint.storage.object_path import from_wire, is_object, to_wire
+from resilience.checkpoint.storage.object_path import Location, from_wire, is_object, to_wire
 from resilience.checkpoint.storage.object_store import StoreError
 from resilience.distributed import DistContext
 
@@ -62,7 +62,7 @@ def follow(ctx: DistContext) -> tuple[tuple[str | None, list[str], str | None, s
             pass  # rank 0 has it too, and goes on to the next candidate (or fails, and says so)
 
 
-def check_sizes(ctx: DistContext, directory: Path, doc: dict[str, Any]) -> None:
+def check_sizes(ctx: DistContext, directory: Location, doc: dict[str, Any]) -> None:
     """Every rank checks the sizes of its share of the files a resume reads: its 1/N of the
     manifest's list (:func:`size_share`), then the own files of the saved ranks it checks, from
     their rank manifests (:func:`~resilience.checkpoint.storage.manifest.read_owned`; kept in its

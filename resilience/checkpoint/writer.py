@@ -42,6 +42,7 @@ from resilience.checkpoint.policy.lineage import describe, is_checkpoint_named, 
 from resilience.checkpoint.policy.lowest_val import LOWEST_VAL
 from resilience.checkpoint.storage.durable import FileRecord, directories_of, fsync_dir, fsync_file, record
 from resilience.checkpoint.storage.manifest import write_manifest, write_rank_manifest
+from resilience.checkpoint.storage.object_path import Location
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer, write_pointer
 from resilience.distributed import DistContext
 from resilience.env_names import RANK_MANIFEST_BLOCK_ENV
@@ -119,7 +120,7 @@ def rank_manifest_block() -> int:
     return int(raw)
 
 
-def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part], sink: Any = None) -> Written:
+def write_checkpoint(ctx: DistContext, root: Location, name: str, parts: list[Part], sink: Any = None) -> Written:
     """Steps 1 to 3: stage ``root/.staging_<name>/``, write every rank's ``parts`` into it, fsync'd
     and digested, write the rank manifests and gather the other file lists to rank 0; a collective
     over ``ctx`` (every rank calls it).
@@ -133,7 +134,11 @@ def write_checkpoint(ctx: DistContext, root: Path, name: str, parts: list[Part],
     :class:`CheckpointSaveError` on every rank when any rank failed; the staging directory is
     then removed and the previous checkpoint and ``LATEST`` are left as they were.
     """
-    staging = root / f"{STAGING_PREFIX}{name}" if sink is None else sink.staging
+    if sink is not None:
+        staging: Path = sink.staging
+    else:
+        assert isinstance(root, Path), "a checkpoint on object storage is staged through its sink"
+        staging = root / f"{STAGING_PREFIX}{name}"
     block = rank_manifest_block()
 
     # 1. staging directory (rank 0; on object storage, each rank's own)
@@ -325,7 +330,7 @@ def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = 
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def follow_with_lowest_val(root: Path, name: Path, moved_to: Path) -> bool:
+def follow_with_lowest_val(root: Location, name: Location, moved_to: Location) -> bool:
     """Point ``LOWEST_VAL`` at ``moved_to`` when it names ``name`` (True then): by name it would
     otherwise name the new timeline's checkpoint about to take that name, with another metric."""
     try:

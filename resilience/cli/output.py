@@ -12,10 +12,13 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from resilience.checkpoint.layout import CONFIG
 from resilience.local_paths import URL, NotALocalPath, local_path
+
+if TYPE_CHECKING:  # imported where it is used: a CLI that reads local files only never loads storage code
+    from resilience.checkpoint.storage.object_path import Location
 
 JSON_VERSION = 1
 
@@ -77,7 +80,7 @@ def local_arg(text: str, what: str) -> str:
         raise UsageError(str(exc)) from None
 
 
-def existing_dir(text: str, what: str) -> Path:
+def existing_dir(text: str, what: str) -> Location:
     """``text`` as the path of an existing directory; :class:`UsageError` naming ``what`` otherwise
     (also for a URL other than ``file://``, see :func:`local_arg`). An ``s3://``/``msc://`` URL is
     a place in a bucket (:func:`~resilience.checkpoint.storage.object_path.url_location`): a

@@ -219,3 +219,32 @@ def test_an_asynchronous_save_on_a_bucket_resumes_exactly(s3_endpoint, tmp_path)
     assert run(url, tmp_path / "a", 3, checkpoint={"is_async": True, "save_consolidated": False}) == reference[:3]
     assert json.loads(root_location(url).store.get_bytes(f"epoch_0_step_3/{MANIFEST}"))["meta"]["is_async"] is True
     assert run(url, tmp_path / "b", 6, checkpoint={"is_async": True, "save_consolidated": False}) == reference[3:]
+
+
+def test_a_peft_model_on_a_bucket_saves_its_adapters_and_resumes_them(s3_endpoint, tmp_path):
+    """Found by mypy (issue 28): a PEFT model's adapters are written ahead of the save into a
+    directory beside the checkpoint; on a bucket that was the store itself, and the first save
+    failed. They go to the local directory, and come back from the bucket at the resume."""
+    peft = pytest.importorskip("peft")
+    url = f"s3://{s3_endpoint.bucket()}/peft"
+
+    def train(max_steps):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)), peft.LoraConfig(r=1, target_modules=["0"]))
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        cfg = {
+            "step_scheduler": {"max_steps": max_steps, "ckpt_every_steps": 1, "num_epochs": 1},
+            "checkpoint": {"checkpoint_dir": url, "local_dir": str(tmp_path)},
+        }
+        with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=BATCHES) as loop:
+            for step in loop:
+                optimizer.zero_grad()
+                model(step.batch).pow(2).mean().backward()
+                optimizer.step()
+        return {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+    reference = train(3)
+    assert any(v.abs().sum() > 0 for k, v in reference.items() if "lora_B" in k)  # trained
+    assert any(k.startswith("epoch_0_step_3/") and k.endswith("/model/adapter_model.safetensors") for k in keys(url))
+    resumed = train(3)  # nothing left to train: the adapters are the checkpoint's
+    assert resumed.keys() == reference.keys() and all(torch.equal(resumed[k], reference[k]) for k in reference)

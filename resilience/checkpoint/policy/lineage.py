@@ -27,9 +27,10 @@ from typing import Any
 from resilience.checkpoint.layout import ABANDONED_INFIX, parse_checkpoint_name
 from resilience.checkpoint.storage.durable import fsync_dir
 from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
+from resilience.checkpoint.storage.object_path import Location
 
 
-def meta_of(directory: Path) -> dict[str, Any]:
+def meta_of(directory: Location) -> dict[str, Any]:
     """The manifest meta of ``directory``; empty when it has no readable manifest."""
     try:
         meta = read_manifest(directory).get("meta")
@@ -38,14 +39,14 @@ def meta_of(directory: Path) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
-def parent_ref(directory: Path, meta: dict[str, Any], root: Path) -> dict[str, Any]:
+def parent_ref(directory: Location, meta: dict[str, Any], root: Location) -> dict[str, Any]:
     """The ``parent`` entry naming ``directory`` (its ``meta``), for checkpoints saved under ``root``.
     A checkpoint outside ``root`` (``load_path``, an absolute ``restore_from``) is named by id only."""
     inside = directory.parent.absolute() == root.absolute()
     return {"name": directory.name if inside else None, "checkpoint_id": meta.get("checkpoint_id")}
 
 
-def is_checkpoint_named(directory: Path, ref: Any) -> bool:
+def is_checkpoint_named(directory: Location, ref: Any) -> bool:
     """True when ``ref`` (a ``parent`` entry) names ``directory``: same name, and the same
     ``checkpoint_id`` when the entry has one (the name may now hold another timeline's checkpoint)."""
     if not isinstance(ref, dict) or not ref.get("name") or ref["name"] != directory.name:
@@ -53,7 +54,7 @@ def is_checkpoint_named(directory: Path, ref: Any) -> bool:
     return ref.get("checkpoint_id") is None or meta_of(directory).get("checkpoint_id") == ref["checkpoint_id"]
 
 
-def lineage(root: Path, head: Path) -> list[Path]:
+def lineage(root: Location, head: Location) -> list[Location]:
     """``head`` and its ancestors present under ``root``, newest first; the chain stops at a parent
     that is missing, outside ``root``, or replaced by another timeline's checkpoint."""
     chain, names = [head], {head.name}
@@ -70,7 +71,7 @@ def lineage(root: Path, head: Path) -> list[Path]:
         meta = meta_of(path)
 
 
-def descends_from(root: Path, head: Path, ancestor: Path) -> bool:
+def descends_from(root: Location, head: Location, ancestor: Location) -> bool:
     """True when checkpoint ``head`` (under ``root``) is ``ancestor`` or continues it: its
     ``checkpoint_id`` is that of ``head`` or of one of its ancestors under ``root``, or the parent
     the oldest of them names (a checkpoint outside ``root``, named by id only)."""

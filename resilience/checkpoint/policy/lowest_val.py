@@ -20,6 +20,7 @@ from typing import Any
 
 from resilience.checkpoint.layout import LOWEST_VAL, list_checkpoints
 from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
+from resilience.checkpoint.storage.object_path import Location
 from resilience.checkpoint.storage.pointers import PointerError, delete_pointer, read_pointer, write_pointer
 
 log = logging.getLogger("resilience.checkpoint")
@@ -85,7 +86,7 @@ def append_jsonl(path: Path, row: Mapping[str, Any]) -> None:
         fh.write(json.dumps(json_safe(row)) + "\n")
 
 
-def recorded_value(directory: Path) -> float | None:
+def recorded_value(directory: Location) -> float | None:
     """The finite ``meta.val_metric.value`` in ``directory``'s manifest, else ``None``."""
     try:
         meta = read_manifest(directory).get("meta", {})
@@ -101,7 +102,7 @@ def recorded_value(directory: Path) -> float | None:
 class LowestVal:
     """Rank 0's view of ``LOWEST_VAL`` under ``root``: the best value so far and where it is."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Location):
         self.root = root
         self.best_value: float | None = None
         self.best_name: str | None = None
@@ -121,7 +122,7 @@ class LowestVal:
         if value is not None:
             self.best_value, self.best_name = value, target.name
 
-    def consider(self, directory: Path, value: float | None) -> bool:
+    def consider(self, directory: Location, value: float | None) -> bool:
         """Move ``LOWEST_VAL`` to ``directory`` (just published) if ``value`` is a new best.
 
         Returns True when the pointer moved. A re-save of the current best's step replaces its
@@ -138,7 +139,7 @@ class LowestVal:
         return True
 
     def _rescan(self) -> bool:
-        best: tuple[float, Path] | None = None
+        best: tuple[float, Location] | None = None
         for path in list_checkpoints(self.root):
             value = recorded_value(path)
             if value is not None and (best is None or value < best[0]):

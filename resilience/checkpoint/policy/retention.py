@@ -38,18 +38,18 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from resilience.checkpoint.layout import LATEST, LOWEST_VAL, POINTER_SUFFIX, PRUNING_PREFIX, list_checkpoints, parse_checkpoint_name
+from resilience.checkpoint.layout import LATEST, LOWEST_VAL, POINTER_SUFFIX, PRUNING_PREFIX, checkpoint_counters, list_checkpoints, parse_checkpoint_name
 from resilience.checkpoint.policy.lineage import lineage
 from resilience.checkpoint.storage.durable import fsync_dir
 from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
-from resilience.checkpoint.storage.object_path import ObjectPath
+from resilience.checkpoint.storage.object_path import Location, LocationT, ObjectPath
 
 log = logging.getLogger("resilience.checkpoint")
 
 _POINTER_READ_BYTES = 4096  # a pointer file holds one name; a large .txt is not a pointer
 
 
-def protected_targets(root: Path) -> set[Path]:
+def protected_targets(root: Location) -> set[Path] | set[ObjectPath]:
     """Real paths named by top-level symlinks and ``.txt`` pointer files under ``root``.
 
     A symlink counts whatever its name (``LATEST``, ``LOWEST_VAL``, ``best``, ...); a ``.txt``
@@ -96,21 +96,21 @@ def _object_targets(root: ObjectPath) -> set[ObjectPath]:
     return targets
 
 
-def _is_protected(directory: Path, targets: set[Path]) -> bool:
+def _is_protected(directory: Location, targets: set[Path] | set[ObjectPath]) -> bool:
     if isinstance(directory, ObjectPath):
         return any(t.rel == "" or t == directory or t.rel.startswith(directory.rel + "/") for t in targets)
     real = Path(os.path.realpath(directory))
     return any(target == real or real in target.parents for target in targets)
 
 
-def _run_id(directory: Path) -> str | None:
+def _run_id(directory: Location) -> str | None:
     try:
         return read_manifest(directory).get("meta", {}).get("run_id")
     except CheckpointInvalid:
         return None
 
 
-def plan_prune(root: Path, keep: int, *, run_id: str | None = None, current: Path | None = None) -> list[Path]:
+def plan_prune(root: LocationT, keep: int, *, run_id: str | None = None, current: Location | None = None) -> list[LocationT]:
     """The checkpoint directories :func:`prune` would remove, oldest first.
 
     Args:
@@ -136,10 +136,10 @@ def plan_prune(root: Path, keep: int, *, run_id: str | None = None, current: Pat
         mine = {path.name for path in lineage(root, current)}
         parsed = parse_checkpoint_name(current.name)
         step = parsed[1] if parsed else float("inf")
-        checkpoints = [p for p in checkpoints if p.name in mine] + [p for p in checkpoints if p.name not in mine and parse_checkpoint_name(p.name)[1] <= step]
+        checkpoints = [p for p in checkpoints if p.name in mine] + [p for p in checkpoints if p.name not in mine and checkpoint_counters(p.name)[1] <= step]
     targets = protected_targets(root)
     victims = [path for path in checkpoints[keep:] if not _is_protected(path, targets)]
-    return sorted(victims, key=lambda p: parse_checkpoint_name(p.name)[::-1])
+    return sorted(victims, key=lambda p: checkpoint_counters(p.name)[::-1])
 
 
 def set_aside(root: Path, victims: list[Path]) -> list[str]:

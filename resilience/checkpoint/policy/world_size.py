@@ -15,11 +15,12 @@ import json
 from pathlib import Path
 
 from resilience.checkpoint.layout import LATEST, MANIFEST
+from resilience.checkpoint.storage.object_path import Location
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 from resilience.config import CheckpointConfig
 
 
-def _first_candidate(config: CheckpointConfig, root: Path) -> Path | None:
+def _first_candidate(config: CheckpointConfig, root: Location) -> Location | None:
     """The checkpoint a resume tries first: ``restore_from``, else ``LATEST`` of the checkpoint
     root, else ``load_path`` (a checkpoint, or a root whose ``LATEST`` is followed)."""
     if config.restore_from is not None:
@@ -37,7 +38,7 @@ def _first_candidate(config: CheckpointConfig, root: Path) -> Path | None:
     return None
 
 
-def world_size_problem(config: CheckpointConfig, root: Path, world_size: int) -> str | None:
+def world_size_problem(config: CheckpointConfig, root: Location, world_size: int) -> str | None:
     """Why this run cannot resume under ``world_size`` (a :class:`ConfigError` message naming
     ``checkpoint.world_size_change`` and both sizes), or ``None``. Runs on rank 0; never raises:
     a missing or unreadable manifest is left to the resume's own checks."""

@@ -25,7 +25,7 @@ from typing import Any
 
 from resilience.checkpoint.layout import MANIFEST, needed_to_resume, rank_manifest_file
 from resilience.checkpoint.storage.durable import FileRecord, bytes_digest, entry_digest, file_digest, write_bytes
-from resilience.checkpoint.storage.object_path import ObjectPath
+from resilience.checkpoint.storage.object_path import Location, ObjectPath
 from resilience.checkpoint.storage.object_store import StoreError
 
 FORMAT_VERSION = 2
@@ -64,7 +64,7 @@ def write_manifest(
     write_bytes(directory / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
+def read_manifest(directory: Location) -> dict[str, Any]:
     """The parsed manifest. Raises :class:`CheckpointInvalid` when missing or malformed."""
     path = directory / MANIFEST
     try:

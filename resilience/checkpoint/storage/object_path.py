@@ -17,6 +17,9 @@ import os
 import posixpath
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
+
+from typing_extensions import TypeIs
 
 from resilience.checkpoint.storage.object_store import ObjectStore, is_object_url
 from resilience.checkpoint.storage.stores import open_store
@@ -161,8 +164,11 @@ class ObjectPath:
 Location = Path | ObjectPath
 """A checkpoint root or directory: a local (or mounted) path, or a place in an object store."""
 
+LocationT = TypeVar("LocationT", Path, ObjectPath)
+"""One kind of :data:`Location` throughout a signature (what is listed under a root is of its kind)."""
 
-def is_object(path: object) -> bool:
+
+def is_object(path: object) -> TypeIs[ObjectPath]:
     """True for an :class:`ObjectPath`."""
     return isinstance(path, ObjectPath)
 
@@ -197,6 +203,8 @@ def url_location(url: str) -> ObjectPath:
     from resilience.checkpoint.layout import MANIFEST
 
     root = root_location(url)
+    if not isinstance(root, ObjectPath):
+        raise ValueError(f"{url!r} is not an object storage URL (s3://, msc://)")
     store = root.store
     if store.prefix and store.head(MANIFEST) is not None:
         parent, _, name = store.prefix.rpartition("/")

@@ -9,18 +9,17 @@ On object storage a pointer is a small object holding the name, written with a c
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from resilience.checkpoint.layout import pointer_text_name
 from resilience.checkpoint.storage.durable import fsync_dir, write_bytes
-from resilience.checkpoint.storage.object_path import ObjectPath
+from resilience.checkpoint.storage.object_path import Location, ObjectPath
 
 
 class PointerError(ValueError):
     """A pointer names something outside the checkpoint root or is malformed."""
 
 
-def write_pointer(root: Path, name: str, target: Path) -> None:
+def write_pointer(root: Location, name: str, target: Location) -> None:
     """Point ``root/name`` at ``target`` (a directory directly under ``root``), durably.
 
     Raises:
@@ -51,7 +50,7 @@ def write_pointer(root: Path, name: str, target: Path) -> None:
     fsync_dir(root)
 
 
-def read_pointer(root: Path, name: str) -> Path | None:
+def read_pointer(root: Location, name: str) -> Location | None:
     """The directory ``root/name`` (symlink) or ``root/name.txt`` points at, or ``None`` if absent.
 
     The target may not exist (a deleted checkpoint): callers validate it.
@@ -87,7 +86,7 @@ def _check_target(link: object, rel: str, root: object) -> None:
         raise PointerError(f"{link}: pointer target {rel!r} is outside {root}; refusing to follow it")
 
 
-def delete_pointer(root: Path, name: str) -> None:
+def delete_pointer(root: Location, name: str) -> None:
     """Remove pointer ``root/name`` in either form (no error when absent)."""
     if isinstance(root, ObjectPath):
         root.store.delete_pointer(name)

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.layout import list_checkpoints, parse_checkpoint_name
+from resilience.checkpoint.layout import checkpoint_counters, list_checkpoints
 
 _RNG_FILE = re.compile(r"rng_state_(\d+)\.pth")
 """The per-rank RNG file ``Trainer._save_rng_state`` writes with several processes."""
@@ -83,6 +83,6 @@ def _point_at_best(state: Any, final_dir: Path) -> None:
         state.best_model_checkpoint = os.fspath(final_dir)
         return
     for path in list_checkpoints(final_dir.parent):
-        if parse_checkpoint_name(path.name)[1] == best:
+        if checkpoint_counters(path.name)[1] == best:
             state.best_model_checkpoint = os.fspath(path)
             return
