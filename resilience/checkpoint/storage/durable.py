@@ -18,14 +18,27 @@ import io
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import xxhash
 
 from resilience.checkpoint.storage.remote_files import source_of
 
 DIGEST = "xxh3_128"  # the manifest key of a file's digest
-_ALGORITHMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+class Digest(Protocol):
+    """A hash object being fed (``hashlib``'s and ``xxhash``'s): ``update`` with the next bytes,
+    ``hexdigest`` of all bytes so far."""
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        """Feed the next bytes."""
+
+    def hexdigest(self) -> str:
+        """The hex digest of every byte fed so far."""
+
+
+_ALGORITHMS: dict[str, Callable[[], Digest]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _CHUNK = 8 << 20  # 8 MiB reads: large enough to run at disk speed, small enough to stay cheap
 
 
@@ -106,7 +119,7 @@ def file_digest(path: Path, algorithm: str = DIGEST, advance: Callable[[int], ob
     return digest.hexdigest()
 
 
-def new_digest(algorithm: str = DIGEST) -> Any:
+def new_digest(algorithm: str = DIGEST) -> Digest:
     """A fresh hash object of ``algorithm`` (``update(bytes)``, ``hexdigest()``).
 
     Raises:

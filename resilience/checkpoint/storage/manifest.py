@@ -138,8 +138,10 @@ def ranks_entries(directory: Path, doc: dict[str, Any], saved_ranks: Iterable[in
     :class:`CheckpointInvalid` as :func:`read_owned`."""
     ranks = doc.get(RANK_MANIFESTS)
     out: dict[str, Any] = {}
+    if not ranks:
+        return out  # format 1: every file is in the list
     blocks: dict[str, dict[str, Any]] = {}
-    for saved in saved_ranks if ranks else ():
+    for saved in saved_ranks:
         first = saved - saved % ranks["block"]
         rel = rank_manifest_file(first, min(first + ranks["block"], ranks["world_size"]) - 1)
         if rel not in blocks:
@@ -160,7 +162,9 @@ def all_files(directory: Path, doc: dict[str, Any], *, skip_bad: bool = False) -
     """
     files = dict(doc["files"])
     ranks = doc.get(RANK_MANIFESTS)
-    for first in range(0, ranks["world_size"], ranks["block"]) if ranks else ():
+    if not ranks:
+        return files  # format 1: every file is in the list
+    for first in range(0, ranks["world_size"], ranks["block"]):
         last = min(first + ranks["block"], ranks["world_size"]) - 1
         rel = rank_manifest_file(first, last)
         try:
