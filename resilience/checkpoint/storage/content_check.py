@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.storage.durable import Digest, entry_digest, new_digest
 from resilience.checkpoint.storage.manifest import digest_problem
+from resilience.checkpoint.storage.object_path import Location
 
 MISMATCH = "checksum mismatch (corrupted bytes)"
 
@@ -32,7 +32,7 @@ class ContentCheck(threading.Thread):
     The digests release the GIL, so the thread runs beside the loader on another core.
     """
 
-    def __init__(self, directory: Path, files: dict[str, Any], rels: list[str], inline: Iterable[str] = ()):
+    def __init__(self, directory: Location, files: dict[str, Any], rels: list[str], inline: Iterable[str] = ()):
         super().__init__(name="resilience-content-check", daemon=True)
         self.directory, self.files, self.rels = directory, files, rels
         self.inline = frozenset(inline)

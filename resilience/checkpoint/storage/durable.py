@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import xxhash
 
+from resilience.checkpoint.storage.object_path import Location, is_object
 from resilience.checkpoint.storage.remote_files import source_of
 
 DIGEST = "xxh3_128"  # the manifest key of a file's digest
@@ -93,7 +94,7 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def file_digest(path: Path, algorithm: str = DIGEST, advance: Callable[[int], object] | None = None) -> str:
+def file_digest(path: Location, algorithm: str = DIGEST, advance: Callable[[int], object] | None = None) -> str:
     """Hex digest of a file's contents (``algorithm``: ``xxh3_128`` or ``sha256``); ``advance(n)``
     is called after each read of ``n`` bytes (a progress bar).
 
@@ -109,6 +110,7 @@ def file_digest(path: Path, algorithm: str = DIGEST, advance: Callable[[int], ob
             if advance is not None:
                 advance(len(chunk))
         return digest.hexdigest()
+    assert not is_object(path), "source_of serves every ObjectPath"
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as fh:
