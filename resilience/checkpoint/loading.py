@@ -36,7 +36,9 @@ class Restored:
     """What :meth:`Checkpointer.load` restored, plus what the loop applies later."""
 
     directory: Location
-    step_scheduler: dict[str, int]
+    step_scheduler: dict[str, int] | None
+    """The step counters (:class:`~resilience.state.step_scheduler.StepScheduler`'s state); ``None``
+    with ``weights_only``."""
     data_position: dict[str, Any] | None
     rng_file: Path | None
     """This rank's RNG file; applied by the loop at the point the save captured it."""
@@ -109,7 +111,7 @@ def load_state(
         # epoch_rng / generators; ranks seed alike), or a shuffle without set_epoch would draw anew
         peer = saved_data_position(directory, manifest, rank % saved_world)
         start = {k: v for k, v in (peer or {}).items() if k.startswith("epoch_")}
-        data_position = {**start, "batches_in_epoch": step_state["batches_in_epoch"], "loader": None}
+        data_position: dict[str, Any] | None = {**start, "batches_in_epoch": step_state["batches_in_epoch"], "loader": None}
     else:  # a rank of the same replica (the ranks of a replica hold the same position)
         data_position = saved_data_position(directory, manifest, source)
     return Restored(

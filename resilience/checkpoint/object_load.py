@@ -77,6 +77,7 @@ def fetch(
         if fetched is not None:
             fetched.close()
         raise
+    assert fetched is not None, "a failed _fetch raised from gather_or_raise above"
     return fetched
 
 
@@ -105,7 +106,8 @@ def _fetch(ctx: DistContext, checkpoint: ObjectPath, manifest: dict[str, Any], l
     # the loaders find them by name (is_file, glob); only the tensor files are left to ranges or first use
     wanted.update({rel: want for rel, want in others.items() if not rel.endswith((DCP_SUFFIX, SAFETENSORS_SUFFIX))})
     layout = kw["data_parallel"] or DataParallel(tuple(range(ctx.world_size)))
-    for saved in {position_rank(meta.get("data_parallel_replicas"), saved_world, layout, ctx.rank), ctx.rank % saved_world} - {None}:
+    sources = (position_rank(meta.get("data_parallel_replicas"), saved_world, layout, ctx.rank), ctx.rank % saved_world)
+    for saved in {r for r in sources if r is not None}:
         state_file = rank_state_file(saved)  # the data position and RNG this rank continues
         if state_file not in wanted and state_file not in listed:
             wanted.update({rel: want for rel, want in ranks_entries(files_at, manifest, [saved]).items() if rel == state_file})

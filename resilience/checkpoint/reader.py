@@ -29,7 +29,7 @@ from resilience.checkpoint.layout import BAD_MARKER, needed_to_resume
 from resilience.checkpoint.resume_choice import choose
 from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.manifest import OWNED, CheckpointInvalid
-from resilience.checkpoint.storage.object_path import Location, from_wire, is_object, to_wire
+from resilience.checkpoint.storage.object_path import Location, Wire, from_wire, is_object, to_wire
 from resilience.distributed import DistContext
 
 log = logging.getLogger("resilience.checkpoint")
@@ -55,15 +55,14 @@ def mark_bad(directory: Location, why: str) -> None:
         pass
 
 
-def _choose(ctx: DistContext, root: Location, restore_from: str | None, key: str, checksums: bool) -> tuple[str | None, dict[str, Any] | None, list[str]]:
+def _choose(ctx: DistContext, root: Location, restore_from: str | None, key: str, checksums: bool) -> tuple[Wire | None, dict[str, Any] | None, list[str]]:
     """(directory to resume from or None, its manifest, warnings). Runs on rank 0, the other ranks
     in :func:`~resilience.checkpoint.size_checks.follow` meanwhile (each candidate's size check is theirs too); marks the candidates
     found invalid as bad, so no later start checks them again."""
     check = functools.partial(size_checks.check_candidate, ctx, checksums=checksums)
     if restore_from is not None:
-        path: Location = Path(restore_from)
-        if not path.is_absolute() and (is_object(root) or not path.exists()):
-            path = root / restore_from
+        given = Path(restore_from)
+        path: Location = given if given.is_absolute() or (not is_object(root) and given.exists()) else root / restore_from
         try:
             return to_wire(path), check(path), []
         except CheckpointInvalid as exc:
@@ -115,7 +114,7 @@ def find_resume_point(
         manifest = None
         try:
             chosen, manifest, warnings = _choose(ctx, root, restore_from, key, checksums)
-            result: tuple[str | None, list[str], str | None, str | None] = (chosen, warnings, None, None)
+            result: tuple[Wire | None, list[str], str | None, str | None] = (chosen, warnings, None, None)
         except CheckpointNotFound as exc:
             result = (None, [], str(exc), None)
         except Exception as exc:  # the others wait in a broadcast: let them fail too, then raise it here
@@ -194,7 +193,7 @@ def _corrupted(ctx: DistContext, directory: Location, detail: str, cause: BaseEx
     return corrupted
 
 
-def _share(files: dict[str, Any], rank: int, world_size: int, streams: list[list[str]] = ()) -> list[str]:
+def _share(files: dict[str, Any], rank: int, world_size: int, streams: Iterable[list[str]] = ()) -> list[str]:
     """This rank's files to digest (all ranks agree): a file of ``streams`` (balanced loading) to
     the rank that reads its first byte; the others largest first, each to the least loaded rank."""
     owner = {}

@@ -67,10 +67,11 @@ class Resuming:
         that exists but holds no valid checkpoint is found by :meth:`restore` (``CheckpointNotFound``)."""
         cfg = self.config
         if cfg.restore_from is not None:
-            path: Location = Path(cfg.restore_from)
-            if is_object(self.root) and not path.is_absolute():
+            given = Path(cfg.restore_from)
+            path: Location = given
+            if is_object(self.root) and not given.is_absolute():
                 path = self.root / cfg.restore_from  # a name under the bucket's prefix
-            if not path.exists() and (path.is_absolute() or is_object(path) or not (self.root / path).exists()):
+            if not path.exists() and (is_object(path) or path.is_absolute() or not (self.root / path).exists()):
                 return (
                     f"checkpoint.restore_from={cfg.restore_from!r}: no such checkpoint directory; accepted: an existing "
                     f"checkpoint directory, absolute or a name under checkpoint.checkpoint_dir ({str(self.root)!r})"
@@ -88,6 +89,8 @@ class Resuming:
         valid one is loaded instead (it overwrites everything the bad one had loaded).
 
         Raises:
+            ValueError: no state is registered (``state=None``: a trainer integration loads its own
+                files, after :meth:`find_resume_point` and :meth:`adopt`).
             CheckpointNotFound: ``restore_from`` or ``load_path`` names a missing, incomplete or
                 corrupt checkpoint.
             CheckpointCorrupted: every checkpoint tried was corrupt; the model and optimizer were
@@ -95,10 +98,16 @@ class Resuming:
             BatchSizeChangeRefused: the run's global batch differs from the checkpoint's and the
                 epoch cannot continue at the next unseen sample (see :mod:`resilience.state.batch_size`).
         """
+        state = self.state
+        if state is None:
+            raise ValueError(
+                "Checkpointer.restore(): no state registered (state=None) to load into; "
+                "find_resume_point() and adopt() serve a trainer that loads its own files"
+            )
         corrupt: CheckpointCorrupted | None = None
         while (directory := self.find_resume_point()) is not None:
             try:
-                restored = self.load(directory, self.state)
+                restored = self.load(directory, state)
             except CheckpointCorrupted as exc:
                 if self.resume_source in ("restore_from", "load_path"):
                     raise CheckpointNotFound(f"checkpoint.{self.resume_source}: {exc}") from exc
@@ -107,7 +116,7 @@ class Resuming:
                 corrupt = exc
                 continue
             if not restored.weights_only:
-                self._continue_with_batch_size(restored)
+                self._continue_with_batch_size(restored, state)
             return restored
         if corrupt is not None:
             raise CheckpointCorrupted(
@@ -256,16 +265,18 @@ class Resuming:
         if restored.rng_file is not None:
             load_rng_state(restored.rng_file)
 
-    def _continue_with_batch_size(self, restored: Restored) -> None:
+    def _continue_with_batch_size(self, restored: Restored, state: TrainingState) -> None:
         """Re-express ``restored``'s step counters and data position for this run's global batch
-        (unchanged when it is the saved one)."""
+        (unchanged when it is the saved one); ``state``: what it was loaded into."""
+        if restored.step_scheduler is None:
+            raise ValueError(f"{restored.directory}: a weights-only restore has no step counters to continue")
         steps = self.run_config.get("step_scheduler", {})
         restored.step_scheduler, restored.data_position = continue_with_batch_size(
             restored.step_scheduler,
             restored.data_position,
             restored.meta,
             self.global_batch_size,
-            loader=self.state.dataloader,
+            loader=state.dataloader,
             checkpoint=restored.directory.name,
             configured=steps.get("global_batch_size") is not None,
             accumulation=int(steps.get("gradient_accumulation_steps") or 1),

@@ -13,7 +13,6 @@ import dataclasses
 import os
 import shutil
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, STAGING_PREFIX, TRASH_PREFIX, checkpoint_counters, list_checkpoints, parse_checkpoint_name
@@ -29,7 +28,7 @@ from resilience.checkpoint.storage.pointers import PointerError, read_pointer
 class Skipped:
     """A candidate passed over: ``why`` is the check's message, or the ``.bad`` marker's path."""
 
-    path: Path
+    path: Location
     why: str
     marked_bad: bool
     """It carried a ``.bad`` marker from an earlier start (so it was not checked again)."""
@@ -51,7 +50,7 @@ class ResumeChoice:
     skipped: list[Skipped]
 
 
-def choose(root: Location, check: Callable[[Path], dict[str, Any]]) -> ResumeChoice:
+def choose(root: Location, check: Callable[[Location], dict[str, Any]]) -> ResumeChoice:
     """The first of :func:`resume_candidates` that is not marked bad and passes ``check``.
 
     Args:
@@ -98,7 +97,7 @@ def resume_candidates(root: Location, latest: Location | None) -> list[Location]
     return candidates + [path for path in listed if path not in candidates]
 
 
-def _saved_at(directory: Path) -> float:
+def _saved_at(directory: Location) -> float:
     value = meta_of(directory).get("saved_at")
     return float(value) if isinstance(value, (int, float)) else 0.0
 

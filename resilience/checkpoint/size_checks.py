@@ -10,7 +10,6 @@ rank 0 alone checking 24,885 files at 8,192 ranks took 25-125 s). Called from
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import needed_to_resume
@@ -25,7 +24,7 @@ from resilience.checkpoint.storage.manifest import (
     resume_files,
     validate,
 )
-from resilience.checkpoint.storage.object_path import Location, from_wire, is_object, to_wire
+from resilience.checkpoint.storage.object_path import Location, Wire, from_wire, is_object, to_wire
 from resilience.checkpoint.storage.object_store import StoreError
 from resilience.distributed import DistContext
 
@@ -33,7 +32,7 @@ from resilience.distributed import DistContext
 CHECK, DONE = "check", "done"
 
 
-def check_candidate(ctx: DistContext, directory: Path, *, checksums: bool) -> dict[str, Any]:
+def check_candidate(ctx: DistContext, directory: Location, *, checksums: bool) -> dict[str, Any]:
     """Rank 0's check of one candidate (:func:`choose`'s ``check``): the manifest here, then every
     rank's share of the size checks (:func:`check_sizes`), then, with ``checksums``, every digest
     here. Returns the manifest; raises :class:`CheckpointInvalid` (on rank 0) saying why not."""
@@ -46,7 +45,7 @@ def check_candidate(ctx: DistContext, directory: Path, *, checksums: bool) -> di
     return doc
 
 
-def follow(ctx: DistContext) -> tuple[tuple[str | None, list[str], str | None, str | None], dict[str, Any] | None]:
+def follow(ctx: DistContext) -> tuple[tuple[Wire | None, list[str], str | None, str | None], dict[str, Any] | None]:
     """A rank other than 0 during :func:`_choose`: its share of each candidate's size checks, until
     rank 0's result (chosen, warnings, not-found error, other error); returns it with the last
     candidate's manifest (the chosen one's: :func:`choose` stops at the first that passes)."""

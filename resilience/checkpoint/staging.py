@@ -11,10 +11,14 @@ by every later save; pinned when CUDA is present so device-to-host copies run as
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from resilience.sharded_types import dtensor_class
+
+if TYPE_CHECKING:  # imported only for the annotation: importing DTensor at run time is what dtensor_class avoids
+    from torch.distributed.tensor import DTensor
 
 
 class StagingBuffers:
@@ -47,15 +51,20 @@ class StagingBuffers:
         dtensor = dtensor_class()  # None: no DTensor exists in this process
         for name, tensor in tensors.items():
             tensor = tensor.detach()
-            sharded = dtensor is not None and isinstance(tensor, dtensor)
-            local = tensor.to_local() if sharded else tensor
-            buf = self._buffer_for(prefix + name, local)
-            buf.copy_(local, non_blocking=local.device.type != "cpu")
+            if dtensor is None or not isinstance(tensor, dtensor):
+                out[name] = self._fill(prefix + name, tensor)
+                continue
+            sharded = cast("DTensor", tensor)
             # A DTensor's snapshot is its local shard, kept a DTensor (same mesh, placements and
             # global shape) so the writers still know where it lies; built directly, as
             # DTensor.from_local would move a CPU shard back to the mesh's device.
-            out[name] = dtensor(buf, tensor._spec, requires_grad=False) if sharded else buf
+            out[name] = dtensor(self._fill(prefix + name, sharded.to_local()), sharded._spec, requires_grad=False)
         return out
+
+    def _fill(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        buf = self._buffer_for(key, tensor)
+        buf.copy_(tensor, non_blocking=tensor.device.type != "cpu")
+        return buf
 
     def synchronize(self) -> None:
         """Wait for pending device-to-host copies (no-op on CPU-only machines)."""

@@ -219,6 +219,16 @@ def test_a_checkpointer_over_a_module_without_state_only_finds_resume_points(roo
     assert finder.find_resume_point().name == "epoch_0_step_2"
 
 
+def test_restore_without_a_registered_state_says_so_instead_of_failing_inside_the_load(root):
+    """A trainer integration's checkpointer (state=None) finds resume points; restore() refuses with
+    the reason (it once raised AttributeError on None from inside the load, after choosing)."""
+    save_steps(root, 2)
+    finder = Checkpointer(CheckpointConfig(checkpoint_dir=str(root)), DistContext(), state=None, scheduler=StepScheduler(num_epochs=1))
+    assert finder.find_resume_point().name == "epoch_0_step_2"
+    with pytest.raises(ValueError, match=r"restore\(\): no state registered \(state=None\)"):
+        finder.restore()
+
+
 def test_resume_false_ignores_latest(root):
     save_steps(root, 2)
     assert checkpointer(root, resume=False).find_resume_point() is None

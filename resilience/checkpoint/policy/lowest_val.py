@@ -129,7 +129,7 @@ class LowestVal:
         value; if that value is worse (or missing) the best is searched again over all
         checkpoints' manifests. Raises ``OSError`` when the pointer cannot be written.
         """
-        if directory.name == self.best_name and (value is None or value > self.best_value):
+        if directory.name == self.best_name and (value is None or self.best_value is None or value > self.best_value):
             return self._rescan()
         if value is None or (self.best_value is not None and value >= self.best_value):
             return False

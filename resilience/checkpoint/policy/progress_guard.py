@@ -106,9 +106,9 @@ def starts(doc: dict[str, Any]) -> int:
     return doc["failed"] + doc["preempted"] + int(doc["running"]) + doc.get("refused", 0)
 
 
-def before_next_start(doc: dict[str, Any], resume_point: str | None) -> tuple[int, int]:
+def before_next_start(doc: dict[str, Any] | None, resume_point: str | None) -> tuple[int, int]:
     """(failed, preempted): the earlier starts a start from ``resume_point`` counts, given the file's
-    ``doc``. A recorded start that never reported a clean end counts as failed."""
+    ``doc`` (``None``: no file yet). A recorded start that never reported a clean end counts as failed."""
     if doc is None or doc["resume_point"] != resume_point:
         return 0, 0  # a new checkpoint since (or none counted yet): progress
     return doc["failed"] + int(doc["running"]), doc["preempted"]

@@ -98,9 +98,9 @@ def _object_targets(root: ObjectPath) -> set[ObjectPath]:
 
 def _is_protected(directory: Location, targets: set[Path] | set[ObjectPath]) -> bool:
     if isinstance(directory, ObjectPath):
-        return any(t.rel == "" or t == directory or t.rel.startswith(directory.rel + "/") for t in targets)
+        return any(isinstance(t, ObjectPath) and (t.rel == "" or t == directory or t.rel.startswith(directory.rel + "/")) for t in targets)
     real = Path(os.path.realpath(directory))
-    return any(target == real or real in target.parents for target in targets)
+    return any(isinstance(t, Path) and (t == real or real in t.parents) for t in targets)
 
 
 def _run_id(directory: Location) -> str | None:

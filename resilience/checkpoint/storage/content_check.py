@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-from resilience.checkpoint.storage.durable import entry_digest, new_digest
+from resilience.checkpoint.storage.durable import Digest, entry_digest, new_digest
 from resilience.checkpoint.storage.manifest import digest_problem
+from resilience.checkpoint.storage.object_path import Location
 
 MISMATCH = "checksum mismatch (corrupted bytes)"
 
@@ -32,7 +32,7 @@ class ContentCheck(threading.Thread):
     The digests release the GIL, so the thread runs beside the loader on another core.
     """
 
-    def __init__(self, directory: Path, files: dict[str, Any], rels: list[str], inline: Iterable[str] = ()):
+    def __init__(self, directory: Location, files: dict[str, Any], rels: list[str], inline: Iterable[str] = ()):
         super().__init__(name="resilience-content-check", daemon=True)
         self.directory, self.files, self.rels = directory, files, rels
         self.inline = frozenset(inline)
@@ -44,7 +44,7 @@ class ContentCheck(threading.Thread):
         self._load_over = threading.Event()
         self._abandoned = False
 
-    def claim(self, rel: str) -> Any:
+    def claim(self, rel: str) -> Digest | None:
         """A fresh hash object for the loader to feed every byte of ``rel`` with, in order, or
         ``None`` when this rank need not digest it (another rank's share, or already taken)."""
         digest = entry_digest(self.files.get(rel, {}))
@@ -54,9 +54,15 @@ class ContentCheck(threading.Thread):
             self._taken.add(rel)
         return new_digest(digest[0])
 
-    def report(self, rel: str, hasher: Any) -> None:
-        """The loader fed ``hasher`` (from :meth:`claim`) all of ``rel``: compare it with the manifest."""
+    def report(self, rel: str, hasher: Digest) -> None:
+        """The loader fed ``hasher`` (from :meth:`claim`) all of ``rel``: compare it with the manifest.
+
+        Raises:
+            ValueError: ``rel``'s entry has no digest, so :meth:`claim` gave no hasher for it.
+        """
         want = entry_digest(self.files[rel])
+        if want is None:
+            raise ValueError(f"{self.directory / rel}: report() of a file whose entry has no digest (claim() returned None for it)")
         if hasher.hexdigest() != want[1]:
             self._fail(rel, MISMATCH)
         with self._lock:

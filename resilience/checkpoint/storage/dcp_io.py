@@ -92,9 +92,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         for key, entry in metadata.state_dict_metadata.items():
             if isinstance(entry, BytesStorageMetadata):
                 raise UnsafeCheckpointError(f"{path}: entry {key!r} is pickled bytes; refusing to load it")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         self._resilience_metadata = metadata
         return metadata
 

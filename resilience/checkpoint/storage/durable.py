@@ -18,14 +18,28 @@ import io
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import xxhash
 
+from resilience.checkpoint.storage.object_path import Location, is_object
 from resilience.checkpoint.storage.remote_files import source_of
 
 DIGEST = "xxh3_128"  # the manifest key of a file's digest
-_ALGORITHMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+class Digest(Protocol):
+    """A hash object being fed (``hashlib``'s and ``xxhash``'s): ``update`` with the next bytes,
+    ``hexdigest`` of all bytes so far."""
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        """Feed the next bytes."""
+
+    def hexdigest(self) -> str:
+        """The hex digest of every byte fed so far."""
+
+
+_ALGORITHMS: dict[str, Callable[[], Digest]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _CHUNK = 8 << 20  # 8 MiB reads: large enough to run at disk speed, small enough to stay cheap
 
 
@@ -80,7 +94,7 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def file_digest(path: Path, algorithm: str = DIGEST, advance: Callable[[int], object] | None = None) -> str:
+def file_digest(path: Location, algorithm: str = DIGEST, advance: Callable[[int], object] | None = None) -> str:
     """Hex digest of a file's contents (``algorithm``: ``xxh3_128`` or ``sha256``); ``advance(n)``
     is called after each read of ``n`` bytes (a progress bar).
 
@@ -96,6 +110,7 @@ def file_digest(path: Path, algorithm: str = DIGEST, advance: Callable[[int], ob
             if advance is not None:
                 advance(len(chunk))
         return digest.hexdigest()
+    assert not is_object(path), "source_of serves every ObjectPath"
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as fh:
@@ -106,7 +121,7 @@ def file_digest(path: Path, algorithm: str = DIGEST, advance: Callable[[int], ob
     return digest.hexdigest()
 
 
-def new_digest(algorithm: str = DIGEST) -> Any:
+def new_digest(algorithm: str = DIGEST) -> Digest:
     """A fresh hash object of ``algorithm`` (``update(bytes)``, ``hexdigest()``).
 
     Raises:

@@ -120,7 +120,7 @@ def owned_ranks(doc: dict[str, Any], rank: int, world_size: int) -> range:
     return range(rank, ranks["world_size"], world_size) if ranks else range(0)
 
 
-def read_owned(directory: Path, doc: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+def read_owned(directory: Location, doc: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """The entries (``{relative path: entry}``) of the own files of the saved ranks rank ``rank``
     of ``world_size`` checks (:func:`owned_ranks`), from their rank manifests, each read once and
     checked against its entry in ``doc`` (digest included: they are small).
@@ -132,14 +132,16 @@ def read_owned(directory: Path, doc: dict[str, Any], rank: int, world_size: int)
     return ranks_entries(directory, doc, owned_ranks(doc, rank, world_size))
 
 
-def ranks_entries(directory: Path, doc: dict[str, Any], saved_ranks: Iterable[int]) -> dict[str, Any]:
+def ranks_entries(directory: Location, doc: dict[str, Any], saved_ranks: Iterable[int]) -> dict[str, Any]:
     """The entries of the own files of ``saved_ranks``, from their rank manifests (each read once,
     checked against its entry in ``doc``); ``{}`` for a format 1 manifest. Raises
     :class:`CheckpointInvalid` as :func:`read_owned`."""
     ranks = doc.get(RANK_MANIFESTS)
     out: dict[str, Any] = {}
+    if not ranks:
+        return out  # format 1: every file is in the list
     blocks: dict[str, dict[str, Any]] = {}
-    for saved in saved_ranks if ranks else ():
+    for saved in saved_ranks:
         first = saved - saved % ranks["block"]
         rel = rank_manifest_file(first, min(first + ranks["block"], ranks["world_size"]) - 1)
         if rel not in blocks:
@@ -151,7 +153,7 @@ def ranks_entries(directory: Path, doc: dict[str, Any], saved_ranks: Iterable[in
     return out
 
 
-def all_files(directory: Path, doc: dict[str, Any], *, skip_bad: bool = False) -> dict[str, Any]:
+def all_files(directory: Location, doc: dict[str, Any], *, skip_bad: bool = False) -> dict[str, Any]:
     """Every file's entry: the manifest's list and every rank's own files (reading every rank
     manifest: O(files), for the command-line tools and a full checksum pass, not for a resume).
 
@@ -160,7 +162,9 @@ def all_files(directory: Path, doc: dict[str, Any], *, skip_bad: bool = False) -
     """
     files = dict(doc["files"])
     ranks = doc.get(RANK_MANIFESTS)
-    for first in range(0, ranks["world_size"], ranks["block"]) if ranks else ():
+    if not ranks:
+        return files  # format 1: every file is in the list
+    for first in range(0, ranks["world_size"], ranks["block"]):
         last = min(first + ranks["block"], ranks["world_size"]) - 1
         rel = rank_manifest_file(first, last)
         try:
@@ -177,7 +181,7 @@ def all_files(directory: Path, doc: dict[str, Any], *, skip_bad: bool = False) -
     return files
 
 
-def _read_rank_manifest(directory: Path, rel: str, want: Any) -> dict[str, Any]:
+def _read_rank_manifest(directory: Location, rel: str, want: Any) -> dict[str, Any]:
     """Rank manifest ``rel``'s ``{rank: {path: entry}}``, its bytes checked against ``want``."""
     if not isinstance(want, dict):
         raise CheckpointInvalid(f"{directory / MANIFEST}: lists no {rel}")
@@ -203,7 +207,7 @@ def _read_rank_manifest(directory: Path, rel: str, want: Any) -> dict[str, Any]:
     return ranks
 
 
-def validate(directory: Path, *, checksums: bool = True, resume: bool = False, sizes: bool = True) -> dict[str, Any]:
+def validate(directory: Location, *, checksums: bool = True, resume: bool = False, sizes: bool = True) -> dict[str, Any]:
     """Check that every listed file exists with its size, and when ``checksums`` its digest
     (reads every byte; without it the check costs one ``stat`` per file). With ``resume``, only
     the files a resume reads (:func:`~resilience.checkpoint.layout.needed_to_resume`: not the
@@ -238,7 +242,7 @@ def resume_files(doc: dict[str, Any]) -> dict[str, Any]:
     return {rel: want for rel, want in doc["files"].items() if needed_to_resume(rel)}
 
 
-def first_size_problem(directory: Path, files: dict[str, Any]) -> str | None:
+def first_size_problem(directory: Location, files: dict[str, Any]) -> str | None:
     """``"<path>: <problem>"`` (:func:`size_problem`) for the first of ``files`` (``{relative path:
     entry}``) under ``directory`` that is missing or of another size than its entry, else None:
     :func:`validate`'s size check, for a share of the files. One ``stat`` per file."""
@@ -249,7 +253,7 @@ def first_size_problem(directory: Path, files: dict[str, Any]) -> str | None:
     return None
 
 
-def check_contents(directory: Path, files: dict[str, Any]) -> None:
+def check_contents(directory: Location, files: dict[str, Any]) -> None:
     """Compare every file's digest with its manifest entry (``files``: ``{relative path: entry}``,
     already size-checked by :func:`validate`).
 
@@ -279,7 +283,7 @@ def well_formed(rel: Any, want: Any) -> bool:
     )
 
 
-def size_problem(path: Path, size: Any) -> str | None:
+def size_problem(path: Location, size: Any) -> str | None:
     """Why the file at ``path`` is not ``size`` bytes (``missing``, ``unreadable (...)``,
     ``N bytes, manifest says M (truncated?)``), or None when it is."""
     try:
@@ -293,7 +297,7 @@ def size_problem(path: Path, size: Any) -> str | None:
     return None if actual == size else f"{actual} bytes, manifest says {size} (truncated?)"
 
 
-def digest_problem(path: Path, want: dict[str, Any], advance: Callable[[int], object] | None = None) -> str | None:
+def digest_problem(path: Location, want: dict[str, Any], advance: Callable[[int], object] | None = None) -> str | None:
     """Why the bytes at ``path`` do not have entry ``want``'s digest (no digest in the entry,
     ``unreadable (...)``, ``checksum mismatch (corrupted bytes)``), or None when they do.
     ``advance(n)`` is called with the bytes read (a progress bar)."""

@@ -59,9 +59,10 @@ class MscStore(ObjectStore):
 
     def put_bytes(self, rel: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str | None:
         """See :meth:`ObjectStore.put_bytes`; conditions go to the provider (ignored by a POSIX one)."""
-        if (if_match is not None or if_none_match) and self.conditional:
+        provider = self._provider if self.conditional else None  # None: the POSIX provider, or msc's composite client
+        if (if_match is not None or if_none_match) and provider is not None:
             condition: dict[str, Any] = {"if_match": if_match} if if_match is not None else {"if_none_match": "*"}
-            self._call("PUT", rel, lambda: self._provider.put_object(self.key(rel), data, **condition))
+            self._call("PUT", rel, lambda: provider.put_object(self.key(rel), data, **condition))
         else:
             self._call("PUT", rel, lambda: self._client.write(self.key(rel), data))
         info = self.head(rel)
@@ -128,11 +129,4 @@ class MscStore(ObjectStore):
             self.list("", recursive=False)
         except (StoreError, OSError) as exc:
             return f"cannot list {self.url} through {self.endpoint}: {exc}"
-        if saving:
-            probe = f".write_probe.{id(self)}"
-            try:
-                self.put_bytes(probe, b"")
-                self.delete([probe])
-            except (StoreError, OSError) as exc:
-                return f"cannot write in {self.url} through {self.endpoint}: {exc}"
-        return None
+        return self.write_problem(f"through {self.endpoint}") if saving else None

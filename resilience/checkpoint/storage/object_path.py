@@ -182,14 +182,19 @@ def root_location(text: str | os.PathLike) -> Location:
     return Path(text).absolute()
 
 
-def to_wire(path: Location) -> str | tuple[str, str, str]:
+Wire = str | tuple[str, str, str]
+"""A :data:`Location` as a collective sends it (:func:`to_wire`): a local path's string, or
+``("object", url, rel)``."""
+
+
+def to_wire(path: Location) -> Wire:
     """``path`` in a form a collective can send (a store's client is not picklable): the local
     path's string, or ``("object", url, rel)``; :func:`from_wire` is its inverse. Never ``str()`` of
     an :class:`ObjectPath` turned back with ``Path()``: that would be a local folder named after the URL."""
     return ("object", path.store.url, path.rel) if isinstance(path, ObjectPath) else str(path)
 
 
-def from_wire(wire: str | tuple[str, str, str]) -> Location:
+def from_wire(wire: Wire) -> Location:
     """The location :func:`to_wire` sent."""
     if isinstance(wire, tuple):
         return ObjectPath(open_store(wire[1]), wire[2])

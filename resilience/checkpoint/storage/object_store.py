@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterable
@@ -60,7 +61,7 @@ class ObjectInfo:
 def is_object_url(text: object) -> bool:
     """True for a string ``scheme://...`` whose scheme has a backend (:data:`SCHEMES`)."""
     match = _URL.match(text) if isinstance(text, str) else None
-    return bool(match) and match.group(1).lower() in SCHEMES
+    return match is not None and match.group(1).lower() in SCHEMES
 
 
 def split_url(url: str) -> tuple[str, str, str]:
@@ -146,6 +147,17 @@ class ObjectStore(abc.ABC):
 
     conditional: bool = True
     """Whether the store enforces ``If-Match``/``If-None-Match`` (msc's POSIX provider does not)."""
+
+    def write_problem(self, where: str) -> str | None:
+        """Why a write probe (a small object put, then deleted) fails, saying ``where`` the store
+        was reached (``"at endpoint ..."``); ``None`` when it succeeds. For :meth:`problem`."""
+        probe = f".write_probe.{os.getpid()}.{id(self)}"
+        try:
+            self.put_bytes(probe, b"")
+            self.delete([probe])
+        except OSError as exc:  # StoreError and PreconditionFailed included
+            return f"cannot write in {self.url} {where}: {exc}"
+        return None
 
     def abort_uploads(self, prefix: str) -> int:
         """Abort unfinished multipart uploads under ``prefix/`` (a save killed mid-upload); returns

@@ -58,13 +58,13 @@ def read_pointer(root: Location, name: str) -> Location | None:
     Raises:
         PointerError: the pointer leads outside ``root`` (absolute, ``..``, or nested).
     """
-    link = root / name
     if isinstance(root, ObjectPath):
-        rel = root.store.read_pointer(name)
-        if rel is None:
+        held = root.store.read_pointer(name)
+        if held is None:
             return None
-        _check_target(link, rel, root)
-        return root / rel.strip("/")
+        _check_target(root / name, held, root)
+        return root / held.strip("/")
+    link = root / name
     txt = root / pointer_text_name(name)
     if link.is_symlink():
         rel = os.readlink(link)

@@ -12,6 +12,7 @@ narrow botocore versions) and a file-system emulation this code does not use.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -129,7 +130,7 @@ class S3Store(ObjectStore):
         for i in range(0, len(rels), _DELETE_BATCH):
             batch = rels[i : i + _DELETE_BATCH]
             request = {"Objects": [{"Key": self.key(rel)} for rel in batch], "Quiet": True}
-            response = self._call("DELETE", batch[0], lambda request=request: self._client.delete_objects(Bucket=self.bucket, Delete=request))
+            response = self._call("DELETE", batch[0], functools.partial(self._client.delete_objects, Bucket=self.bucket, Delete=request))
             errors = [e for e in response.get("Errors", ()) if e.get("Code") != "NoSuchKey"]
             if errors:
                 raise StoreError(
@@ -167,11 +168,4 @@ class S3Store(ObjectStore):
             if "NoSuchBucket" in text:
                 return f"bucket {self.bucket!r} does not exist at {where}"
             return f"cannot use bucket {self.bucket!r} at {where}: {text.split(': ', 1)[-1]}"
-        if saving:
-            probe = f".write_probe.{os.getpid()}"
-            try:
-                self.put_bytes(probe, b"")
-                self.delete([probe])
-            except (StoreError, PreconditionFailed) as exc:
-                return f"cannot write in {self.url} at {where}: {exc}"
-        return None
+        return self.write_problem(f"at {where}") if saving else None

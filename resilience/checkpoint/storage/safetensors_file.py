@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from resilience.checkpoint.storage.durable import DurableFile, FileRecord
+from resilience.checkpoint.storage.durable import Digest, DurableFile, FileRecord
 from resilience.checkpoint.storage.remote_files import ensure_local
 
 # safetensors header dtype codes -> torch dtype names (the names used in our JSON files).
@@ -134,7 +134,7 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
             raise ValueError(f"{path}: not a safetensors file ({exc})") from exc
 
 
-def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None, digest: Any = None) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None, digest: Digest | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file at ``path``, by name, read in file order.
 
     A tensor lands in ``targets[name]`` in place (no copy after the read) when that is a
@@ -190,7 +190,7 @@ def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None,
                 target = torch.empty(shape, dtype=dtype)
             if nbytes:
                 fh.seek(data_start + begin)
-                _read_into(fh, memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B"), digest, f"{path}: ends inside {name}")
+                _read_into(fh, target.reshape(-1).view(torch.uint8).numpy().data, digest, f"{path}: ends inside {name}")
             out[name] = target
         if digest is not None and data_start + end < size:  # bytes past the last tensor: digested too
             _read_into(fh, memoryview(bytearray(size - data_start - end)), digest, f"{path}: shorter than its size")
@@ -200,7 +200,7 @@ def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None,
 _CHUNK = 16 << 20  # digest-while-reading: few syscalls, and the chunk is digested soon after it lands
 
 
-def _read_into(fh: Any, view: memoryview, digest: Any, short: str) -> None:
+def _read_into(fh: Any, view: memoryview, digest: Digest | None, short: str) -> None:
     """Fill ``view`` from ``fh`` (raw, unbuffered) at its position; feed ``digest`` (if any) each
     chunk as it lands. Raises ``ValueError(short)`` at an early end of file."""
     if digest is None:
