@@ -79,6 +79,24 @@ def test_sigkill_during_a_save_leaves_latest_on_the_previous_checkpoint_and_resu
     assert result.identical, result.detail
 
 
+@pytest.mark.timeout(240)
+def test_on_msc_a_run_preempted_through_one_rank_resumes_bitwise(tmp_path, reference, msc_posix):
+    # checkpoint_dir on multi-storage-client (its POSIX profile): the same run as on S3, without the kill
+    from object_stores import MSC_PROFILE, latest, object_final_weights, orphans
+
+    url = f"msc://{MSC_PROFILE}/digits"
+    local = tmp_path / "local"
+    on_msc = [f"checkpoint.checkpoint_dir={url}", f"checkpoint.local_dir={local}"]
+    first = run(local, 2, overrides=[*SHORT, *on_msc], signal_rank=1, signal_at_step=30)
+    assert first.codes == [ExitCode.PREEMPTED] * 2
+    assert 30 <= int(latest(url).rsplit("_", 1)[1]) < 40
+    second = run(local, 2, overrides=[*SHORT, *on_msc])
+    assert second.codes == [ExitCode.DONE] * 2 and orphans(url) == []
+    result = compare(local, reference[2], weights=lambda d: object_final_weights(url) if d == local else final_weights(d))
+    assert result.identical, result.detail
+    assert result.steps == 66
+
+
 @pytest.mark.timeout(300)
 def test_on_s3_a_run_preempted_then_killed_mid_upload_resumes_bitwise_and_the_cli_reads_the_bucket(tmp_path, reference, s3_endpoint):
     # checkpoint_dir on the local S3 endpoint (moto); the logs, staging and downloads in local_dir

@@ -66,15 +66,18 @@ def test_sharded_run_stopped_through_one_rank_saves_one_step_on_every_rank_and_r
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_on_msc_resumes_bitwise_builds_the_bundle_from_every_ranks_shards_and_consolidates_on_the_bucket(tmp_path, references, msc_posix):
-    # checkpoint_dir on multi-storage-client (its POSIX profile); each rank stages and uploads its own shards
+@pytest.mark.parametrize("store", ["msc", "s3"])
+def test_fsdp2_on_a_bucket_resumes_bitwise_builds_the_bundle_from_every_ranks_shards_and_consolidates_there(tmp_path, references, store, request):
+    # checkpoint_dir on multi-storage-client (its POSIX profile) or the local S3 endpoint; each rank stages and uploads its own shards
     import json
     import subprocess
     import sys
 
     from object_stores import MSC_PROFILE, download_latest, latest, orphans
 
-    url = f"msc://{MSC_PROFILE}/fsdp2"
+    url = f"msc://{MSC_PROFILE}/fsdp2" if store == "msc" else f"s3://{request.getfixturevalue('s3_endpoint').bucket()}/fsdp2"
+    if store == "msc":
+        request.getfixturevalue("msc_posix")
     local = tmp_path / "local"
     on_msc = [f"checkpoint.checkpoint_dir={url}", f"checkpoint.local_dir={local}"]
     first = _run(local, "fsdp2", 2, "safetensors", on_msc, signal_rank=1, signal_at_step=SIGNAL_AT)
