@@ -43,7 +43,7 @@ from resilience.config import CheckpointConfig, ConfigError, ResilienceConfig, S
 log = logging.getLogger("resilience")
 
 # ModelCheckpoint attributes that differ from the Trainer's default ModelCheckpoint() when a user configured one
-_CONFIGURED = ("dirpath", "filename", "monitor", "save_last", "save_top_k", "save_on_exception", "save_weights_only", "_every_n_train_steps")
+_CONFIGURED: tuple[str, ...] = ("dirpath", "filename", "monitor", "save_last", "save_top_k", "save_on_exception", "save_weights_only", "_every_n_train_steps")
 _CONFIGURED += ("_every_n_epochs", "_train_time_interval", "_save_on_train_epoch_end")
 
 

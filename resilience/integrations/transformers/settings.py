@@ -31,9 +31,12 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from resilience.config import CheckpointConfig, ConfigError, ResilienceConfig, StepSchedulerConfig
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 log = logging.getLogger("resilience")
 
@@ -97,7 +100,7 @@ def _refuse_unsupported(trainer: Any) -> None:
         log.warning("TrainingArguments.push_to_hub=True: checkpoints are not pushed while training (call trainer.push_to_hub() after it)")
 
 
-def _trainer_class() -> type:
+def _trainer_class() -> type[Trainer]:
     from transformers import Trainer
 
     return Trainer
