@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from resilience.checkpoint.layout import CONFIG
 from resilience.local_paths import URL, NotALocalPath, local_path
@@ -78,6 +78,14 @@ def local_arg(text: str, what: str) -> str:
         return local_path(text, what)
     except NotALocalPath as exc:
         raise UsageError(str(exc)) from None
+
+
+def read_side(location: Location) -> Path:
+    """``location`` as the :class:`~pathlib.Path` that ``status``, ``verify`` and ``advise`` read
+    through: an :class:`~resilience.checkpoint.storage.object_path.ObjectPath` implements the read
+    side of Path's API they use (``/``, ``name``, ``parent``, ``iterdir``, ``is_dir``, ``is_file``,
+    ``exists``, ``resolve``), and their local-only steps (symlinks, ``os.walk``) check for an object first."""
+    return cast(Path, location)  # for the type checker only: the object is returned as it is
 
 
 def existing_dir(text: str, what: str) -> Location:
