@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import CONFIG, MANIFEST, list_checkpoints
-from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, print_doc, read_side, saved_section
+from resilience.cli.output import JSON_VERSION, UsageError, add_json_flag, existing_dir, print_doc, read_side, saved_section, usage_failed
 from resilience.config import StepSchedulerConfig
 from resilience.exit_codes import ExitCode
 
@@ -221,7 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"from its saved {CONFIG}, else auto): a stop may run 2k - 1 more steps",
     )
     parser.add_argument("--median", action="store_true", help="the median over all checkpoints instead of the newest timings")
-    parser.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+    add_json_flag(parser, instead_of="text")
     return parser
 
 
@@ -248,8 +248,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         root, safety, every = _parse_advise(args)
     except UsageError as exc:
-        print(f"resilience advise: {exc}", file=sys.stderr)
-        return int(ExitCode.CONFIG_ERROR)
+        return usage_failed("advise", exc)
     try:
         doc = advise(root, safety=safety, agreement_every_steps=every, median=args.median)
     except LookupError as exc:

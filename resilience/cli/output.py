@@ -7,6 +7,7 @@ more) is imported here.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from resilience.checkpoint.layout import CONFIG
+from resilience.exit_codes import ExitCode
 from resilience.local_paths import URL, NotALocalPath, local_path
 
 if TYPE_CHECKING:  # imported where it is used: a CLI that reads local files only never loads storage code
@@ -51,6 +53,17 @@ def _emit(text: str) -> None:
     except BrokenPipeError:
         # Python's documented recipe: point stdout at devnull so the flush at exit stays quiet.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def add_json_flag(parser: argparse.ArgumentParser, *, instead_of: str) -> None:
+    """Declare ``--json``: print the command's document as JSON (:func:`print_doc`) ``instead_of`` its terminal form."""
+    parser.add_argument("--json", action="store_true", help=f"print a JSON document instead of {instead_of}")
+
+
+def usage_failed(command: str, error: UsageError) -> int:
+    """Report bad arguments of ``resilience COMMAND`` on stderr; the exit code (2, ``CONFIG_ERROR``)."""
+    print(f"resilience {command}: {error}", file=sys.stderr)
+    return int(ExitCode.CONFIG_ERROR)
 
 
 def print_doc(doc: dict[str, Any], as_json: bool, format_doc: Callable[[dict[str, Any]], str]) -> None:

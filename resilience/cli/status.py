@@ -17,12 +17,11 @@ import argparse
 import datetime
 import math
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from resilience.checkpoint.layout import LATEST, LOWEST_VAL, MANIFEST, POINTER_SUFFIX, pointer_text_name
-from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, read_side, saved_section, within
+from resilience.cli.output import JSON_VERSION, UsageError, add_json_flag, existing_dir, first_line, print_doc, read_side, saved_section, usage_failed, within
 from resilience.cli.status_text import format_status
 from resilience.exit_codes import ExitCode
 
@@ -380,7 +379,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``CHECKPOINT_DIR``, ``--deep``, ``--json``."""
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint root (checkpoint.checkpoint_dir)")
     parser.add_argument("--deep", action="store_true", help="also compare every file's digest (reads every byte)")
-    parser.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
+    add_json_flag(parser, instead_of="the table")
     return parser
 
 
@@ -395,8 +394,7 @@ def run(args: argparse.Namespace) -> int:
                 f"or 'resilience verify {root}' to check this checkpoint"
             )
     except UsageError as exc:
-        print(f"resilience status: {exc}", file=sys.stderr)
-        return int(ExitCode.CONFIG_ERROR)
+        return usage_failed("status", exc)
     doc = inspect_root(root, deep=args.deep)
     print_doc(doc, args.json, format_status)
     return int(ExitCode.DONE)

@@ -28,7 +28,7 @@ from resilience.checkpoint.layout import (
     needed_to_resume,
     parse_checkpoint_name,
 )
-from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, read_side, within
+from resilience.cli.output import JSON_VERSION, UsageError, add_json_flag, existing_dir, first_line, print_doc, read_side, usage_failed, within
 from resilience.exit_codes import ExitCode
 
 HELP = "check every file's size and digest against the manifest of a checkpoint, or of every checkpoint under a root; exit 1 on any failure"
@@ -208,7 +208,7 @@ def format_verify(doc: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``PATH``, ``--json``, ``--no-progress``."""
     parser.add_argument("path", metavar="PATH", help="a checkpoint directory, or a checkpoint root (then every checkpoint in it)")
-    parser.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+    add_json_flag(parser, instead_of="text")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
 
@@ -219,7 +219,6 @@ def run(args: argparse.Namespace) -> int:
         path = read_side(existing_dir(args.path, "PATH"))
         doc = verify_path(path, progress=not args.no_progress)
     except UsageError as exc:
-        print(f"resilience verify: {exc}", file=sys.stderr)
-        return int(ExitCode.CONFIG_ERROR)
+        return usage_failed("verify", exc)
     print_doc(doc, args.json, format_verify)
     return int(ExitCode.DONE if doc["ok"] else ExitCode.FAILED)
