@@ -140,10 +140,10 @@ class DistContext:
         for peer in range(leader + 1, min(leader + block, self.world_size)):
             size = torch.empty(1, dtype=torch.int64)
             dist.recv(size, src=peer, group=self.group)
-            data = torch.empty(int(size), dtype=torch.uint8)
-            dist.recv(data, src=peer, group=self.group)
+            received = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(received, src=peer, group=self.group)
             # peers' bytes over our own group, unpickled as torch's object collectives do; never a file's
-            out.append(pickle.loads(data.numpy().tobytes()))
+            out.append(pickle.loads(received.numpy().tobytes()))
         return out
 
     def gather_or_raise(self, error: str | None, payload: Any = None, *, fail: Callable[[str], BaseException]) -> list[Any]:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import gc
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from resilience.announce import announce
 from resilience.checkpoint import Checkpointer, SaveReason, TrainingState
 from resilience.checkpoint.formats.optim_io import ParamGroupsChanged
 from resilience.checkpoint.layout import TRAINING_LOG, VALIDATION_LOG
+from resilience.checkpoint.loading import Restored
 from resilience.checkpoint.policy import progress_guard
 from resilience.checkpoint.policy.lowest_val import append_jsonl
 from resilience.config import ResilienceConfig, config_from_dict
@@ -87,13 +89,14 @@ class ResilientLoop:
         self.resumed_from: Path | None = None
         self.stop_step: int | None = None
         """The agreed stop step when preempted (every rank has the same)."""
-        self._generator: Iterator[Step] | None = None
+        self._generator: Generator[Step, None, None] | None = None
         self._in_step = False  # the user's body of a step is running (its step is global_step + 1)
         self._agreement: StopAgreement | None = None
         self._pending: Any = lambda: 0  # this rank's stop flag (signals recorded or a stop file)
         self._stop_agreed_in_step = False  # should_stop() agreed a stop inside a step's body
         self._deadline = Deadline(config, self.ctx.rank, self.timer)
-        self._auto_cadence = config.step_scheduler.agreement_every_steps == "auto"
+        self._fixed_cadence = config.step_scheduler.fixed_agreement_every_steps  # None: auto
+        self._auto_cadence = self._fixed_cadence is None
         self._ended_by: BaseException | None = None  # the exception that ended the steps, if any
         # Slurm signals every process of a step: the loader's workers must outlive the save.
         shield_dataloader_workers(state.dataloader, config.step_scheduler.signals)
@@ -108,12 +111,11 @@ class ResilientLoop:
     def __enter__(self) -> ResilientLoop:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is not None:
             self.exit_code = ExitCode.FAILED
             note_failure(exc)  # before close() leaves our group: resilience run names the rank that failed first
         self.close()
-        return False
 
     def close(self) -> None:
         """End the loop early: restores signal handlers and drains the agreement (no save). Left
@@ -164,15 +166,18 @@ class ResilientLoop:
         return self.scheduler.global_step + 1 if self._in_step else self.scheduler.global_step
 
     # -- the data path -------------------------------------------------------------------------
-    def _run(self) -> Iterator[Step]:
+    def _run(self) -> Generator[Step, None, None]:
         sched_cfg = self.config.step_scheduler
         scheduler = self.scheduler
         warning = signal_reach_warning()
         if warning and self.ctx.rank == 0 and sched_cfg.signals:
             log.warning(warning)
         try:
-            kw = {"adaptive": self._auto_cadence, "nodes": sched_cfg.agreement_nodes, "timeout_s": collective_timeout_s(self.config.checkpoint.async_timeout_s)}
-            with SignalRecorder(sched_cfg.signals) as signals, StopAgreement(self.ctx.group, every_steps=self._cadence(), **kw) as agreement:
+            every, nodes, timeout_s = self._cadence(), sched_cfg.agreement_nodes, collective_timeout_s(self.config.checkpoint.async_timeout_s)
+            with (
+                SignalRecorder(sched_cfg.signals) as signals,
+                StopAgreement(self.ctx.group, every_steps=every, adaptive=self._auto_cadence, nodes=nodes, timeout_s=timeout_s) as agreement,
+            ):
                 # A stop the launcher or batch script recorded before this rank could receive it.
                 stop_before_start = mark_ready_and_check_stop(acts_on_stop=bool(sched_cfg.signals)) and bool(sched_cfg.signals)
                 self._pending = lambda: STOP_PREEMPTION if (signals or stop_before_start) else 0
@@ -218,7 +223,7 @@ class ResilientLoop:
                 # teardown figure); frozen objects are skipped. Memory is freed by the exit.
                 gc.freeze()
 
-    def _steps(self, restored, agreement) -> Iterator[Step]:
+    def _steps(self, restored: Restored | None, agreement: StopAgreement) -> Generator[Step, None, None]:
         sched_cfg = self.config.step_scheduler
         scheduler = self.scheduler
         loader = self.state.dataloader
@@ -236,7 +241,7 @@ class ResilientLoop:
             left = batches_left(loader, scheduler.batches_in_epoch)  # from the length: Accelerate must see its loader end
             for micro, is_optimizer_step, batch in micro_batches(iterator, sched_cfg.gradient_accumulation_steps, left):
                 number = scheduler.global_step + 1
-                is_val_step = bool(sched_cfg.val_every_steps) and number % sched_cfg.val_every_steps == 0
+                is_val_step = sched_cfg.val_every_steps is not None and number % sched_cfg.val_every_steps == 0
                 self._in_step = True
                 yield Step(number, scheduler.epoch, scheduler.batches_in_epoch + micro, batch, is_val_step, micro, is_optimizer_step)
                 if not is_optimizer_step:
@@ -245,7 +250,8 @@ class ResilientLoop:
                 scheduler.finish_step(micro + 1)
                 self.timer.boundary()
                 self.progress.step(scheduler.global_step)
-                stop = agreement.update(scheduler.global_step, max(self._pending(), self._deadline_flag()), propose_every_steps=self._proposed_cadence())
+                proposal = self._proposed_cadence(agreement.round_s)
+                stop = agreement.update(scheduler.global_step, max(self._pending(), self._deadline_flag()), propose_every_steps=proposal)
                 if scheduler.done:
                     break  # a stop during the final step: finish normally
                 # The last batch of the last epoch is the final step too (the scheduler counts the
@@ -280,11 +286,12 @@ class ResilientLoop:
         """The agreement's cadence in steps now (``auto``: what it has adapted to so far)."""
         if self._agreement is not None:
             return self._agreement.every_steps
-        return 1 if self._auto_cadence else self.config.step_scheduler.agreement_every_steps
+        return 1 if self._fixed_cadence is None else self._fixed_cadence
 
-    def _proposed_cadence(self) -> int:
-        """``auto`` on rank 0: the steps of ``agreement_interval_s`` (or of 2 measured rounds, if longer); 0: no proposal (not auto, rank 0, a step time)."""
-        interval_s = max(self.config.step_scheduler.agreement_interval_s, 2 * self._agreement.round_s)  # so no update waits for a round
+    def _proposed_cadence(self, round_s: float) -> int:
+        """``auto`` on rank 0: the steps of ``agreement_interval_s`` (or of 2 rounds of ``round_s``, measured, if longer);
+        0: no proposal (not auto, rank 0, a step time)."""
+        interval_s = max(self.config.step_scheduler.agreement_interval_s, 2 * round_s)  # so no update waits for a round
         return auto_cadence(self.timer.step_s, interval_s) if self._auto_cadence and self.ctx.rank == 0 else 0
 
     def _stop(self, step: int, when: str, *, save: bool) -> None:
@@ -321,7 +328,7 @@ class ResilientLoop:
             self._stop_agreed_in_step = True
         return self._stop_agreed_in_step
 
-    def _resume(self):
+    def _resume(self) -> Restored | None:
         restored = self.checkpointer.restore()
         if restored is None:
             if self.config.checkpoint.enabled and self.config.checkpoint.enable_save:

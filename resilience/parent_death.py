@@ -15,13 +15,14 @@ import ctypes.util
 import os
 import signal
 import sys
+from collections.abc import Mapping
 
 from resilience.env_names import LAUNCHER_PID_ENV
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def die_with_launcher(environ: dict[str, str] | None = None) -> bool:
+def die_with_launcher(environ: Mapping[str, str] | None = None) -> bool:
     """In a rank whose parent is the launcher named by ``RESILIENCE_LAUNCHER_PID``: ask the kernel
     to SIGKILL this process when the launcher ends. Returns whether it was armed (False outside
     ``resilience run``, under a wrapper process between the launcher and the rank, or off Linux).

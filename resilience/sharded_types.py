@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+if TYPE_CHECKING:  # for the annotations only: importing it costs what this module avoids
+    from torch.distributed.tensor import DTensor
 
 DTENSOR_MODULE = "torch.distributed.tensor"  # torch.distributed._tensor (torch < 2.5 and the alias) imports it
 SHARDED_TENSOR_MODULE = "torch.distributed._shard.sharded_tensor"
@@ -33,7 +36,7 @@ def dtensor_class() -> type | None:
     return loaded_class(DTENSOR_MODULE, "DTensor") or loaded_class("torch.distributed._tensor", "DTensor")
 
 
-def is_dtensor(obj: Any) -> bool:
+def is_dtensor(obj: Any) -> TypeGuard[DTensor]:
     """``isinstance(obj, DTensor)``, without importing ``DTensor``."""
     cls = dtensor_class()
     return cls is not None and isinstance(obj, cls)

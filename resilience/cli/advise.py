@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from resilience.checkpoint.layout import CONFIG, MANIFEST, list_checkpoints
-from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, print_doc, saved_section
+from resilience.cli.output import JSON_VERSION, UsageError, add_json_flag, existing_dir, print_doc, read_side, saved_section, usage_failed
 from resilience.config import StepSchedulerConfig
 from resilience.exit_codes import ExitCode
 
@@ -46,13 +46,15 @@ def _recorded_timings(root: Path) -> list[dict[str, Any]]:
     from resilience.checkpoint.storage.manifest import CheckpointInvalid, read_manifest
 
     directories = [root] if (root / MANIFEST).exists() else list_checkpoints(root)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for order, directory in enumerate(directories):
         try:
             meta = read_manifest(directory).get("meta") or {}
         except CheckpointInvalid:
             continue
-        timings = meta.get("timings") if isinstance(meta.get("timings"), dict) else {}
+        timings = meta.get("timings")
+        if not isinstance(timings, dict):
+            timings = {}
         rows.append(
             {
                 "name": directory.name,
@@ -82,7 +84,9 @@ def _run_settings(root: Path, source: str) -> dict[str, Any]:
         settings["signal"] = "USR1" if "USR1" in sendable else sendable[0]
     slurm = saved_section(root if root.name == source else root / source, "slurm")
     if slurm.get("launcher") == "torchrun":
-        setup = slurm.get("setup") if isinstance(slurm.get("setup"), list) else []
+        setup = slurm.get("setup")
+        if not isinstance(setup, list):
+            setup = []
         found = [int(m.group(1)) for line in setup for m in [_SHUTDOWN_TIMEOUT.search(str(line))] if m]
         settings["torchrun_shutdown_timeout_s"] = found[-1] if found else TORCHRUN_SHUTDOWN_TIMEOUT_S
     return settings
@@ -139,18 +143,17 @@ def advise(
     settings = _run_settings(root, source) if not median else _run_settings(root, with_step[0]["name"])
     if agreement_every_steps is None:
         agreement_every_steps = settings.get("agreement_every_steps", "auto")
-        if agreement_every_steps != "auto" and not (isinstance(agreement_every_steps, int) and agreement_every_steps >= 1):
-            agreement_every_steps = "auto"
+    if not (isinstance(agreement_every_steps, int) and agreement_every_steps >= 1):
+        agreement_every_steps = "auto"  # also for a saved value that is neither an int >= 1 nor auto
     if agreement_interval_s is None:
         agreement_interval_s = settings.get("agreement_interval_s", StepSchedulerConfig().agreement_interval_s)
     signal_name = settings.get("signal", "USR1")
-    if agreement_every_steps == "auto":
-        agreement_every_steps = auto_cadence(step_s, agreement_interval_s) or 1
-        notes.append(
-            f"agreement_every_steps auto: k = {agreement_every_steps} for {_sig(step_s)} s steps "
-            f"(a round every {agreement_interval_s:g} s at most, at least every step)"
-        )
-    needed = seconds_needed(step_s, save_s, agreement_every_steps=agreement_every_steps, safety=safety)
+    if isinstance(agreement_every_steps, int):
+        k = agreement_every_steps
+    else:
+        k = auto_cadence(step_s, agreement_interval_s) or 1
+        notes.append(f"agreement_every_steps auto: k = {k} for {_sig(step_s)} s steps (a round every {agreement_interval_s:g} s at most, at least every step)")
+    needed = seconds_needed(step_s, save_s, agreement_every_steps=k, safety=safety)
     lead_s = math.ceil(needed + SLURM_SIGNAL_INTERVAL_S)
     warnings = []
     budget = settings.get("torchrun_shutdown_timeout_s")
@@ -169,7 +172,7 @@ def advise(
         "step_s": step_s,
         "save_s": save_s,
         "safety": safety,
-        "agreement_every_steps": agreement_every_steps,
+        "agreement_every_steps": k,
         "seconds_needed": needed,
         "slurm_signal_interval_s": SLURM_SIGNAL_INTERVAL_S,
         "lead_s": lead_s,
@@ -218,7 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"from its saved {CONFIG}, else auto): a stop may run 2k - 1 more steps",
     )
     parser.add_argument("--median", action="store_true", help="the median over all checkpoints instead of the newest timings")
-    parser.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+    add_json_flag(parser, instead_of="text")
     return parser
 
 
@@ -229,15 +232,15 @@ def _parse_advise(args: argparse.Namespace) -> tuple[Path, float, int | str | No
         safety = float("nan")
     if not math.isfinite(safety) or safety < 1:  # as step_scheduler.deadline_safety: below 1 the stop would not fit
         raise UsageError(f"--safety: expected a number >= 1 (as step_scheduler.deadline_safety), e.g. 1.5, got {args.safety!r}")
-    if args.agreement_every_steps in (None, "auto"):
-        return existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR"), safety, args.agreement_every_steps
-    try:
-        every = int(args.agreement_every_steps)
-    except ValueError:
-        every = 0
-    if every < 1:
-        raise UsageError(f"--agreement-every-steps: expected an integer >= 1 or auto, got {args.agreement_every_steps!r}")
-    return existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR"), safety, every
+    every: int | str | None = args.agreement_every_steps
+    if every not in (None, "auto"):
+        try:
+            every = int(args.agreement_every_steps)
+        except ValueError:
+            every = 0
+        if every < 1:
+            raise UsageError(f"--agreement-every-steps: expected an integer >= 1 or auto, got {args.agreement_every_steps!r}")
+    return read_side(existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR")), safety, every
 
 
 def run(args: argparse.Namespace) -> int:
@@ -245,8 +248,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         root, safety, every = _parse_advise(args)
     except UsageError as exc:
-        print(f"resilience advise: {exc}", file=sys.stderr)
-        return int(ExitCode.CONFIG_ERROR)
+        return usage_failed("advise", exc)
     try:
         doc = advise(root, safety=safety, agreement_every_steps=every, median=args.median)
     except LookupError as exc:

@@ -104,9 +104,10 @@ def _run_on_bucket(args: argparse.Namespace, nproc: int, threads: int) -> int:
                 return rel.startswith((f"{MODEL_DIR}/", f"{RANK_MANIFESTS_DIR}/")) and not rel.startswith(f"{MODEL_CONSOLIDATED}/")
 
             local = download(checkpoint, Path(tmp), wanted)
-            out = consolidate(local, output, nproc=nproc, num_threads=threads, cast_dtype=cast, progress=not args.no_progress)
+            bundle = consolidate(local, output, nproc=nproc, num_threads=threads, cast_dtype=cast, progress=not args.no_progress)
+            out = str(bundle)
             if output is None:
-                upload_bundle(out, checkpoint, MODEL_CONSOLIDATED)
+                upload_bundle(bundle, checkpoint, MODEL_CONSOLIDATED)
                 out = f"{checkpoint}/{MODEL_CONSOLIDATED}"
     except ConsolidateError as exc:
         print(f"resilience consolidate: {exc}", file=sys.stderr)

@@ -7,14 +7,16 @@ more) is imported here.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from resilience.checkpoint.layout import CONFIG
+from resilience.exit_codes import ExitCode
 from resilience.local_paths import URL, NotALocalPath, local_path
 
 if TYPE_CHECKING:  # imported where it is used: a CLI that reads local files only never loads storage code
@@ -53,6 +55,17 @@ def _emit(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def add_json_flag(parser: argparse.ArgumentParser, *, instead_of: str) -> None:
+    """Declare ``--json``: print the command's document as JSON (:func:`print_doc`) ``instead_of`` its terminal form."""
+    parser.add_argument("--json", action="store_true", help=f"print a JSON document instead of {instead_of}")
+
+
+def usage_failed(command: str, error: UsageError) -> int:
+    """Report bad arguments of ``resilience COMMAND`` on stderr; the exit code (2, ``CONFIG_ERROR``)."""
+    print(f"resilience {command}: {error}", file=sys.stderr)
+    return int(ExitCode.CONFIG_ERROR)
+
+
 def print_doc(doc: dict[str, Any], as_json: bool, format_doc: Callable[[dict[str, Any]], str]) -> None:
     """Print ``doc`` as the ``--json`` output (indented, keys sorted), or its terminal form
     ``format_doc(doc)``."""
@@ -78,6 +91,14 @@ def local_arg(text: str, what: str) -> str:
         return local_path(text, what)
     except NotALocalPath as exc:
         raise UsageError(str(exc)) from None
+
+
+def read_side(location: Location) -> Path:
+    """``location`` as the :class:`~pathlib.Path` that ``status``, ``verify`` and ``advise`` read
+    through: an :class:`~resilience.checkpoint.storage.object_path.ObjectPath` implements the read
+    side of Path's API they use (``/``, ``name``, ``parent``, ``iterdir``, ``is_dir``, ``is_file``,
+    ``exists``, ``resolve``), and their local-only steps (symlinks, ``os.walk``) check for an object first."""
+    return cast(Path, location)  # for the type checker only: the object is returned as it is
 
 
 def existing_dir(text: str, what: str) -> Location:

@@ -17,14 +17,16 @@ import argparse
 import datetime
 import math
 import os
-import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from resilience.checkpoint.layout import LATEST, LOWEST_VAL, MANIFEST, POINTER_SUFFIX, pointer_text_name
-from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, saved_section, within
+from resilience.cli.output import JSON_VERSION, UsageError, add_json_flag, existing_dir, first_line, print_doc, read_side, saved_section, usage_failed, within
 from resilience.cli.status_text import format_status
 from resilience.exit_codes import ExitCode
+
+if TYPE_CHECKING:  # annotations only: status on a local root loads no store client
+    from resilience.checkpoint.storage.object_path import ObjectPath
 
 HELP = (
     "a table of the checkpoints under CHECKPOINT_DIR (complete, incomplete, corrupt, marked bad; pointers; metric) "
@@ -57,7 +59,7 @@ def _tree_size(path: Path) -> int:
     return total
 
 
-def _is_object(path: Any) -> bool:
+def _is_object(path: object) -> TypeGuard[ObjectPath]:
     return type(path).__name__ == "ObjectPath"  # no import: status on a local root loads no store client
 
 
@@ -119,14 +121,14 @@ def _model_info(path: Path) -> dict[str, Any]:
 
     path = _files_at(path) if _is_object(path) else path
     if not (path / MODEL_DIR).is_dir() and any((path / name).is_file() for name in (HF_SINGLE_FILE, HF_INDEX, ADAPTER_WEIGHTS)):
-        weights = "adapters" if (path / ADAPTER_WEIGHTS).is_file() else "full"
-        return {"model_format": "safetensors", "model_weights": weights, "hf_bundle": True}
+        return {"model_format": "safetensors", "model_weights": "adapters" if (path / ADAPTER_WEIGHTS).is_file() else "full", "hf_bundle": True}
     model = path / MODEL_DIR
     try:
         names = {child.name for child in model.iterdir()} if _is_object(model) else set(os.listdir(model))
     except OSError:
         names = set()
-    fmt = weights = None
+    fmt: str | None = None
+    weights: str | None = None
     if ADAPTER_WEIGHTS in names:
         fmt, weights = "safetensors", "adapters"
     elif SHARD_INDEX in names or any(n.endswith(SAFETENSORS_SUFFIX) for n in names):
@@ -231,6 +233,9 @@ def _entries(root: Path, deep: bool) -> list[dict[str, Any]]:
             "marked_bad": None,
             "pointers": [],
         }
+        state: str
+        problem: str | None
+        meta: dict[str, Any]
         if kind == "staging":
             state, problem, meta = "incomplete", "a save in progress or interrupted (removed at the next start)", {}
         elif kind == "trash":
@@ -374,7 +379,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``CHECKPOINT_DIR``, ``--deep``, ``--json``."""
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the checkpoint root (checkpoint.checkpoint_dir)")
     parser.add_argument("--deep", action="store_true", help="also compare every file's digest (reads every byte)")
-    parser.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
+    add_json_flag(parser, instead_of="the table")
     return parser
 
 
@@ -382,15 +387,14 @@ def run(args: argparse.Namespace) -> int:
     """Print the status of ``args.checkpoint_dir``; 0, or 2 when it is not a directory or is one
     checkpoint (it holds ``manifest.json``) rather than the root that holds them."""
     try:
-        root = existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR")
+        root = read_side(existing_dir(args.checkpoint_dir, "CHECKPOINT_DIR"))
         if (root / MANIFEST).is_file():
             raise UsageError(
                 f"{root} is one checkpoint, not a checkpoint root: run 'resilience status {root.parent}' for the table, "
                 f"or 'resilience verify {root}' to check this checkpoint"
             )
     except UsageError as exc:
-        print(f"resilience status: {exc}", file=sys.stderr)
-        return int(ExitCode.CONFIG_ERROR)
+        return usage_failed("status", exc)
     doc = inspect_root(root, deep=args.deep)
     print_doc(doc, args.json, format_status)
     return int(ExitCode.DONE)

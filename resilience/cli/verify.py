@@ -28,7 +28,7 @@ from resilience.checkpoint.layout import (
     needed_to_resume,
     parse_checkpoint_name,
 )
-from resilience.cli.output import JSON_VERSION, UsageError, existing_dir, first_line, print_doc, within
+from resilience.cli.output import JSON_VERSION, UsageError, add_json_flag, existing_dir, first_line, print_doc, read_side, usage_failed, within
 from resilience.exit_codes import ExitCode
 
 HELP = "check every file's size and digest against the manifest of a checkpoint, or of every checkpoint under a root; exit 1 on any failure"
@@ -162,8 +162,8 @@ def verify_path(path: Path, *, progress: bool = True) -> dict[str, Any]:
             files_at = data_dir(directory, doc)  # on object storage, the prefix the manifest names
             manifests.append((directory, {**doc, "files": all_files(files_at, doc, skip_bad=True), FILES_AT: files_at}, None))
         except CheckpointInvalid as exc:
-            error = "missing (an incomplete save)" if not (directory / MANIFEST).exists() else within(str(exc), directory)
-            manifests.append((directory, None, error))
+            problem = "missing (an incomplete save)" if not (directory / MANIFEST).exists() else within(str(exc), directory)
+            manifests.append((directory, None, problem))
     total = sum(w.get("size", 0) for _, m, _ in manifests if m for w in m["files"].values() if isinstance(w, dict) and isinstance(w.get("size"), int))
     results = []
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, disable=not progress, leave=False) as bar:
@@ -208,7 +208,7 @@ def format_verify(doc: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``PATH``, ``--json``, ``--no-progress``."""
     parser.add_argument("path", metavar="PATH", help="a checkpoint directory, or a checkpoint root (then every checkpoint in it)")
-    parser.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+    add_json_flag(parser, instead_of="text")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
 
@@ -216,10 +216,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Verify ``args.path``: 0 when every checksum matches, 1 on any failure, 2 on bad arguments."""
     try:
-        path = existing_dir(args.path, "PATH")
+        path = read_side(existing_dir(args.path, "PATH"))
         doc = verify_path(path, progress=not args.no_progress)
     except UsageError as exc:
-        print(f"resilience verify: {exc}", file=sys.stderr)
-        return int(ExitCode.CONFIG_ERROR)
+        return usage_failed("verify", exc)
     print_doc(doc, args.json, format_verify)
     return int(ExitCode.DONE if doc["ok"] else ExitCode.FAILED)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 from resilience.config.checkpoint import CheckpointConfig
@@ -31,17 +32,15 @@ class ResilienceConfig:
         """The configuration as plain YAML-able data (what ``config.yaml`` in a checkpoint holds)."""
         out: dict[str, Any] = {}
         for name in SECTIONS:
-            section = dataclasses.asdict(getattr(self, name))
-            if name == "step_scheduler" and isinstance(section["preemption_signal"], (list, tuple)):
-                section["preemption_signal"] = [_yamlable(s) for s in section["preemption_signal"]]
-            else:
-                section = {k: _yamlable(v) for k, v in section.items()}
-            out[name] = section
+            out[name] = {k: _yamlable(v) for k, v in dataclasses.asdict(getattr(self, name)).items()}
         out.update(self.extra)
         return out
 
 
 def _yamlable(value: Any) -> Any:
-    if hasattr(value, "name") and isinstance(value, int):  # signal.Signals
+    """``value`` as YAML data: a signal (``signal.Signals``, an int enum) by its name, a list of them item by item."""
+    if isinstance(value, enum.IntEnum):
         return value.name
+    if isinstance(value, (list, tuple)):
+        return [_yamlable(v) for v in value]
     return value

@@ -23,12 +23,13 @@ def slurm_time_s(text: str) -> int | None:
     match = _SLURM_TIME.match(text)
     if match is None:
         raise ValueError(text)
-    days, first, second, third = (int(g) if g is not None else None for g in match.groups())
+    days, first, second, third = match.groups()  # `first` always matches; `third` only after `second`
+    head, mid, tail = int(first), int(second or 0), int(third or 0)
     if days is not None:  # D-HH[:MM[:SS]]
-        return ((days * 24 + first) * 60 + (second or 0)) * 60 + (third or 0)
+        return ((int(days) * 24 + head) * 60 + mid) * 60 + tail
     if third is not None:  # HH:MM:SS
-        return (first * 60 + second) * 60 + third
-    return first * 60 + (second or 0)  # MM[:SS]
+        return (head * 60 + mid) * 60 + tail
+    return head * 60 + mid  # MM[:SS]
 
 
 LAUNCHERS = ("resilience", "srun", "torchrun")

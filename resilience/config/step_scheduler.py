@@ -60,6 +60,11 @@ class StepSchedulerConfig:
     """Safety factor on (steps until an agreed stop + one save) for deadline stopping and the
     lead-time warning (default 1.5)."""
 
+    @property
+    def fixed_agreement_every_steps(self) -> int | None:
+        """The cadence ``agreement_every_steps`` fixes, in steps, or ``None`` for ``auto`` (validated: an int >= 1 otherwise)."""
+        return None if self.agreement_every_steps == "auto" else int(self.agreement_every_steps)
+
     def __post_init__(self) -> None:
         if self.wall_time_s is not None and (isinstance(self.wall_time_s, bool) or not isinstance(self.wall_time_s, (int, float)) or self.wall_time_s <= 0):
             raise ConfigError(f"step_scheduler.wall_time_s: expected seconds > 0 or null, got {self.wall_time_s!r}")

@@ -26,7 +26,7 @@ How an integration uses it (every call on every rank, in the same order)::
         if session.exit_code is not None:           # 76: the restart guard refused this start
             return session.exit_code
         if session.stop_before_start():             # a stop arrived during setup: 75, nothing to save
-            return session.exit_code
+            return ExitCode.PREEMPTED
         session.training_started(step_resumed)      # then the trainer runs (resuming from ``resume``)
         # at the end of each optimizer step (before the trainer's own logging / eval / save):
         if session.step_end(global_step):           # agreed: every rank stops after this step
@@ -50,6 +50,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from resilience.announce import announce
@@ -178,7 +179,8 @@ class TrainerSession:
         self._signals: SignalRecorder | None = None
         self._agreement: StopAgreement | None = None
         self._stop_file = False  # the launcher or batch script recorded a stop before this rank was ready
-        self._auto = config.step_scheduler.agreement_every_steps == "auto"
+        self._fixed_cadence = config.step_scheduler.fixed_agreement_every_steps  # None: auto
+        self._auto = self._fixed_cadence is None
 
     @property
     def saving(self) -> bool:
@@ -197,7 +199,7 @@ class TrainerSession:
             log.warning(warning)
         try:
             self._signals = self._stack.enter_context(SignalRecorder(sched.signals))  # main thread only
-            every = 1 if self._auto else sched.agreement_every_steps
+            every = 1 if self._fixed_cadence is None else self._fixed_cadence
             timeout_s = collective_timeout_s(self.config.checkpoint.async_timeout_s)
             agreement = StopAgreement(self.ctx.group, every_steps=every, adaptive=self._auto, nodes=sched.agreement_nodes, timeout_s=timeout_s)
             self._agreement = self._stack.enter_context(agreement)
@@ -208,8 +210,8 @@ class TrainerSession:
         self._stop_file = mark_ready_and_check_stop(acts_on_stop=bool(sched.signals)) and bool(sched.signals)
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is not None:
             self.exit_code = ExitCode.FAILED
             note_failure(exc)  # before our group goes: resilience run names the rank that failed first
         try:
@@ -224,7 +226,15 @@ class TrainerSession:
             self.ctx.close()
             if self.exit_code == ExitCode.PREEMPTED:
                 gc.freeze()  # the exit comes next, inside Slurm's warning time: skip the last collections
-        return False
+
+    def _entered_agreement(self) -> StopAgreement:
+        """The stop agreement, which exists between ``__enter__`` and ``__exit__``.
+
+        Raises:
+            RuntimeError: the session is used outside its ``with`` block."""
+        if self._agreement is None:
+            raise RuntimeError("TrainerSession: steps and stop checks run inside `with session:`")
+        return self._agreement
 
     # -- the start -----------------------------------------------------------------------------
     def resume_point(self) -> Path | None:
@@ -249,7 +259,7 @@ class TrainerSession:
     def stop_before_start(self) -> bool:
         """True (and :attr:`exit_code` ``PREEMPTED``) when a stop reached any rank before training: every
         rank leaves without training or saving (``LATEST`` already holds this state). A blocking collective."""
-        if not self._agreement.agree_now(self._pending()):
+        if not self._entered_agreement().agree_now(self._pending()):
             return False
         self.exit_code = ExitCode.PREEMPTED
         if self.ctx.rank == 0 and self.saving:
@@ -278,16 +288,17 @@ class TrainerSession:
         self.timer.boundary()
         self.progress.step(global_step)
         deadline = STOP_DEADLINE if self.deadline.must_stop(self.cadence) else 0
+        agreement = self._entered_agreement()
         propose = 0
         if self._auto and self.ctx.rank == 0:
-            propose = auto_cadence(self.timer.step_s, max(self.config.step_scheduler.agreement_interval_s, 2 * self._agreement.round_s))
-        return self._agreement.update(global_step, max(self._pending(), deadline), propose_every_steps=propose)
+            propose = auto_cadence(self.timer.step_s, max(self.config.step_scheduler.agreement_interval_s, 2 * agreement.round_s))
+        return agreement.update(global_step, max(self._pending(), deadline), propose_every_steps=propose)
 
     def agree_now(self) -> bool:
         """A blocking agreement round: True when a stop reached any rank (after a periodic save: stop
         without saving again; in a long evaluation). Every rank must call it at the same point."""
         self.progress.heartbeat()
-        return bool(self._agreement.agree_now(self._pending()))
+        return bool(self._entered_agreement().agree_now(self._pending()))
 
     def heartbeat(self) -> None:
         """Inside a long phase of a step (evaluation): tell ``resilience run``'s watchdog this rank works."""

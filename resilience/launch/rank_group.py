@@ -79,7 +79,7 @@ class RankGroup:
         self._failed_at: float | None = None
         self.first_failure: tuple[int, int] | None = None
         """(local rank, ``Popen.returncode``) of the first rank seen exiting non-zero while others ran."""
-        self.before_term: Callable[[], None] | None = None
+        self.before_term: Callable[[], object] | None = None  # its result is ignored
         """Called right before the failure grace's SIGTERM (``resilience run`` prints the stacks there)."""
         self._term_sent_at: float | None = None
         self._kill_sent = False

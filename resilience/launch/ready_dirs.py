@@ -56,7 +56,7 @@ def remove_stale_ready_dirs(parent: str | None = None) -> list[str]:
     launcher is gone. Returns the paths removed. Never raises for a directory it cannot read or
     remove (another launcher may be removing it at the same time)."""
     parent = parent or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(parent))
     except OSError:

@@ -85,9 +85,9 @@ def supervise(group: RankGroup, recorded: RecordedSignals, timeout: ProgressTime
     if received or (len(set(codes)) == 1 and codes[0] in ORDERLY_CODES):
         return Outcome(code, codes)
     local, first, why = _first_failed(group, codes)
-    outcome = Outcome(code, codes, f"rank {group.ranks[local]} exited with {describe_code(first)}{why}", infrastructure=_killed(first, watchdog))
-    _share(nodes, outcome.fault, outcome.infrastructure, log)
-    return outcome
+    fault, infrastructure = f"rank {group.ranks[local]} exited with {describe_code(first)}{why}", _killed(first, watchdog)
+    _share(nodes, fault, infrastructure, log)
+    return Outcome(code, codes, fault, infrastructure=infrastructure)
 
 
 def _first_failed(group: RankGroup, codes: list[int]) -> tuple[int, int, str]:

@@ -66,7 +66,7 @@ _FIELD = re.compile(r"@([A-Z_]+)@")
 @functools.cache
 def _source(name: str) -> str:
     """A template source from the package (immutable package data, read once)."""
-    return resources.files("resilience.slurm").joinpath("templates", name).read_text()
+    return (resources.files("resilience.slurm") / "templates" / name).read_text()  # one part per join: Python 3.10's Traversable
 
 
 def slurm_signal(config: ResilienceConfig) -> str:

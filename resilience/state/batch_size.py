@@ -153,9 +153,10 @@ def continue_with_batch_size(
     if old_per_batch == per_batch:
         return step_state, data_position
     samples = int(step_state["batches_in_epoch"]) * old_per_batch
-    complete = bool(meta.get("epoch_complete")) and loader_length(loader) is not None
-    if complete:
-        moved = loader_length(loader)  # the next epoch starts fresh at any batch size
+    length = loader_length(loader) if meta.get("epoch_complete") else None  # known: the saved epoch was complete
+    complete = length is not None
+    if length is not None:
+        moved = length  # the next epoch starts fresh at any batch size
     elif samples % per_batch == 0:
         moved = samples // per_batch
     else:

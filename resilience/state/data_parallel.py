@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -188,7 +188,7 @@ def _fsdp_placements(param: Any, world_size: int) -> bool:
     return len(placements) == 2 and isinstance(placements[0], Replicate) and isinstance(placements[1], Shard)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

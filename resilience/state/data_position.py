@@ -36,7 +36,7 @@ import logging
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import torch
 
@@ -63,7 +63,19 @@ def _decode(obj: Any) -> Any:
     return tagged_json.decode(obj, tagged_json.tensor_from_json)
 
 
-def is_stateful(loader: Any) -> bool:
+class StatefulLoader(Iterable[Any], Protocol):
+    """A loader that saves and loads its own position (torchdata's ``StatefulDataLoader``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position now."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue at a position :meth:`state_dict` returned."""
+        ...
+
+
+def is_stateful(loader: Any) -> TypeGuard[StatefulLoader]:
     """True when ``loader`` has ``state_dict`` and ``load_state_dict`` and its ``state_dict()`` has
     not raised (see :func:`check_loader_state`)."""
     has_methods = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))

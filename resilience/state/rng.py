@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,20 +24,32 @@ DATA_POSITION_KEY = "data_position"
 def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """This process's RNG states as (tensors, JSON metadata): a snapshot, safe to write later."""
     py_version, py_state, py_gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    tensors = {
-        "torch_cpu": torch.get_rng_state(),
-        "python": torch.tensor(py_state, dtype=torch.int64),
-        "numpy_keys": torch.from_numpy(np_keys.astype(np.int64)),
-    }
+    tensors = {"torch_cpu": torch.get_rng_state(), "python": torch.tensor(py_state, dtype=torch.int64)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for index, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"cuda_{index}"] = state
-    meta = {
-        "python": json.dumps({"version": py_version, "gauss_next": py_gauss}),
-        "numpy": json.dumps({"kind": np_kind, "pos": int(np_pos), "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)}),
-    }
+    meta = {"python": json.dumps({"version": py_version, "gauss_next": py_gauss})}
+    # NumPy's global generator is MT19937 unless the user swapped it (np.random.set_bit_generator):
+    # MT19937's 624 keys go in a tensor, any other generator's state dict in the JSON.
+    np_state = np.random.get_state(legacy=False)
+    if np_state["bit_generator"] == "MT19937":
+        tensors["numpy_keys"] = torch.from_numpy(np_state["state"]["key"].astype(np.int64))
+        np_meta = {"kind": "MT19937", "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])}
+        meta["numpy"] = json.dumps(np_meta)
+    else:
+        meta["numpy"] = json.dumps({"kind": np_state["bit_generator"], "state": np_state}, default=_array_json)
     return tensors, meta
+
+
+def _array_json(value: object) -> dict[str, Any]:
+    """A NumPy array in a generator's state (Philox's counter, SFC64's words) as JSON data."""
+    if isinstance(value, np.ndarray):
+        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
+    raise TypeError(f"cannot save a NumPy generator state holding {type(value).__name__}")
+
+
+def _array_from_json(obj: dict[str, Any]) -> Any:
+    return np.array(obj["ndarray"], dtype=obj["dtype"]) if set(obj) == {"ndarray", "dtype"} else obj
 
 
 def write_rng_state(path: Path, captured: tuple[dict[str, torch.Tensor], dict[str, str]], *, data_position: str | None = None) -> None:
@@ -79,8 +92,13 @@ def restore_rng_state(captured: tuple[dict[str, torch.Tensor], dict[str, str]]) 
     tensors, meta = captured
     py = json.loads(meta["python"])
     random.setstate((py["version"], tuple(int(x) for x in tensors["python"].tolist()), py["gauss_next"]))
-    npm = json.loads(meta["numpy"])
-    np.random.set_state((npm["kind"], tensors["numpy_keys"].numpy().astype(np.uint32), npm["pos"], npm["has_gauss"], npm["gauss"]))
+    npm = json.loads(meta["numpy"], object_hook=_array_from_json)
+    if "state" in npm:  # a generator other than MT19937: the global one becomes that kind again, then takes the state
+        if np.random.get_state(legacy=False)["bit_generator"] != npm["kind"]:
+            np.random.set_bit_generator(getattr(np.random, npm["kind"])())  # type: ignore[attr-defined]  # numpy's stubs omit it (numpy >= 1.25)
+        np.random.set_state(npm["state"])
+    else:
+        np.random.set_state((npm["kind"], tensors["numpy_keys"].numpy().astype(np.uint32), npm["pos"], npm["has_gauss"], npm["gauss"]))
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):

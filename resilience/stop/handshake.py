@@ -55,7 +55,7 @@ def stop_requested(env: Mapping[str, str] | None = None) -> bool:
     """True when the file named by ``RESILIENCE_STOP_FILE`` exists."""
     env = os.environ if env is None else env
     path = env.get(STOP_FILE_ENV)
-    return bool(path) and os.path.exists(path)
+    return bool(path and os.path.exists(path))
 
 
 def request_stop(stop_file: str | os.PathLike) -> None:

@@ -92,7 +92,7 @@ def _from_number(number: int, item: Any, key: str) -> signal.Signals:
         sig = signal.Signals(number)
     except ValueError:
         rtmin, rtmax = getattr(signal, "SIGRTMIN", None), getattr(signal, "SIGRTMAX", None)
-        if rtmin is not None and rtmin < number < rtmax:
+        if rtmin is not None and rtmax is not None and rtmin < number < rtmax:
             # Python names only the first and the last real-time signal; the ones between have
             # no signal.Signals member to record them by.
             raise ValueError(

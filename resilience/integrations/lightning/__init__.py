@@ -92,8 +92,10 @@ def fit(trainer: Any, model: Any, config: ResilienceConfig | Mapping[str, Any] |
         session,
     ):
         resume = session.resume_point()
-        if session.exit_code is not None or session.stop_before_start():
+        if session.exit_code is not None:  # 76: the restart guard refused this start
             return session.exit_code
+        if session.stop_before_start():  # a stop arrived during setup: 75, nothing to save
+            return ExitCode.PREEMPTED
         callback.resume_from(resume)
         trainer.fit(model, ckpt_path=os.fspath(resume / CKPT) if resume is not None else None, **fit_kwargs)
         release_at_exit(callback.ddp_model)  # DDP's reducer, then the default group, freed at exit in the safe order

@@ -103,7 +103,12 @@ class ResilienceCallback(Callback):
         position = self._own[1] if self._own is not None else None
         rng = self._own[0] if self._own is not None else None
         self._draws = [SamplerDraws(loader) for loader in train_loaders(trainer)]
-        restart_train_iterator(trainer, position, self.session.config.step_scheduler.signals, self._draws, lambda: rng and load_rng_state(rng))
+
+        def restore_rng() -> None:
+            if rng is not None:
+                load_rng_state(rng)
+
+        restart_train_iterator(trainer, position, self.session.config.step_scheduler.signals, self._draws, restore_rng)
         self._last_step = trainer.global_step
         self.ddp_model = trainer.strategy.model
         self.session.training_started(trainer.global_step)

@@ -122,19 +122,19 @@ def restart_train_iterator(trainer: Any, position: dict[str, Any] | None, signal
     from lightning.fabric.utilities.data import _set_sampler_epoch as set_epoch  # what Lightning calls each epoch: samplers inside batch samplers too
 
     loaders = train_loaders(trainer)
-    saved = (position or {}).get("loaders")
-    if saved is not None and len(saved) != len(loaders):
-        raise ValueError(f"the checkpoint holds the state of {len(saved)} train loaders, this fit has {len(loaders)}")
+    saved = position if position is not None and position.get("loaders") is not None else None  # resuming with loader states
+    if saved is not None and len(saved["loaders"]) != len(loaders):
+        raise ValueError(f"the checkpoint holds the state of {len(saved['loaders'])} train loaders, this fit has {len(loaders)}")
     epoch = trainer.fit_loop.epoch_progress.current.processed  # what on_advance_start() sets next
-    orders = _decode(position["draws"]) if saved is not None else [{} for _ in loaders]
-    resumed_mid_epoch = saved is not None and not position["epoch_complete"]
+    orders = _decode(saved["draws"]) if saved is not None else [{} for _ in loaders]
+    resumed_mid_epoch = saved is not None and not saved["epoch_complete"]
     for index, loader in enumerate(loaders):
         shield_dataloader_workers(loader, signals)
         _drop_iterator(loader)
         if saved is not None:
-            set_epoch(loader, position["epoch"])
-            loader.load_state_dict(_decode(saved[index]))
-            if position["epoch_complete"]:
+            set_epoch(loader, saved["epoch"])
+            loader.load_state_dict(_decode(saved["loaders"][index]))
+            if saved["epoch_complete"]:
                 with draws[index].replaying(orders[index]):
                     iter(loader)  # the saved epoch's exhausted iterator: its samplers' generators move past that epoch
                 _drop_iterator(loader)

@@ -38,12 +38,13 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from resilience.config import CheckpointConfig, ConfigError, ResilienceConfig, StepSchedulerConfig
+from resilience.config import CheckpointConfig, ConfigError, ResilienceConfig
+from resilience.integrations.trainer_owned import refuse_disagreements
 
 log = logging.getLogger("resilience")
 
 # ModelCheckpoint attributes that differ from the Trainer's default ModelCheckpoint() when a user configured one
-_CONFIGURED = ("dirpath", "filename", "monitor", "save_last", "save_top_k", "save_on_exception", "save_weights_only", "_every_n_train_steps")
+_CONFIGURED: tuple[str, ...] = ("dirpath", "filename", "monitor", "save_last", "save_top_k", "save_on_exception", "save_weights_only", "_every_n_train_steps")
 _CONFIGURED += ("_every_n_epochs", "_train_time_interval", "_save_on_train_epoch_end")
 
 
@@ -61,10 +62,6 @@ class LightningSettings:
     ckpt_every_steps: int | None
     recorded: dict[str, Any]
     default_checkpoint: Any = None
-
-
-def _set(value: Any, default: Any) -> bool:
-    return value is not None and value != default
 
 
 def _refuse_strategy(trainer: Any) -> None:
@@ -128,7 +125,7 @@ def reconcile(config: ResilienceConfig, trainer: Any) -> LightningSettings:
     """
     _refuse_strategy(trainer)
     default_checkpoint = _checkpoint_callbacks(trainer)
-    sched, defaults = config.step_scheduler, StepSchedulerConfig()
+    sched = config.step_scheduler
     max_epochs = trainer.max_epochs if trainer.max_epochs not in (None, -1) else None
     max_steps = trainer.max_steps if trainer.max_steps not in (None, -1) else None
     accumulation = int(trainer.accumulate_grad_batches)
@@ -139,10 +136,7 @@ def reconcile(config: ResilienceConfig, trainer: Any) -> LightningSettings:
         "val_every_steps": ("val_check_interval", None),
         "global_batch_size": ("train loader's batch size x ranks x accumulate_grad_batches", None),
     }
-    for key, (name, theirs) in owned.items():
-        ours = getattr(sched, key)
-        if _set(ours, getattr(defaults, key)) and ours != theirs:
-            raise ConfigError(f"step_scheduler.{key}={ours} and the Trainer's {name}={theirs} disagree: the Trainer owns it; remove step_scheduler.{key}")
+    refuse_disagreements(sched, owned)
     if config.checkpoint.best_metric_key != CheckpointConfig().best_metric_key:
         raise ConfigError(
             f"checkpoint.best_metric_key={config.checkpoint.best_metric_key!r}: the Lightning integration keeps no LOWEST_VAL (a step is "

@@ -91,8 +91,10 @@ def train(trainer: Any, config: ResilienceConfig | Mapping[str, Any] | str | os.
     try:
         with session:
             resume = session.resume_point()
-            if session.exit_code is not None or session.stop_before_start():
+            if session.exit_code is not None:  # 76: the restart guard refused this start
                 return session.exit_code
+            if session.stop_before_start():  # a stop arrived during setup: 75, nothing to save
+                return ExitCode.PREEMPTED
             trainer.train(resume_from_checkpoint=os.fspath(resume) if resume is not None else None, **train_kwargs)
             release_at_exit(trainer.model_wrapped)  # DDP's reducer, then the default group, freed at exit in the safe order
             return session.finish(stopped_at=callback.stopped_at)

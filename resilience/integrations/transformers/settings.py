@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from resilience.config import CheckpointConfig, ConfigError, ResilienceConfig, StepSchedulerConfig
+from resilience.config import CheckpointConfig, ConfigError, ResilienceConfig
+from resilience.integrations.trainer_owned import is_set, refuse_disagreements
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 log = logging.getLogger("resilience")
 
@@ -58,10 +61,6 @@ class TrainerSettings:
     metric_key: str
     global_batch_size: int
     recorded: dict[str, Any]
-
-
-def _set(value: Any, default: Any) -> bool:
-    return value is not None and value != default
 
 
 def _refuse_unsupported(trainer: Any) -> None:
@@ -97,7 +96,7 @@ def _refuse_unsupported(trainer: Any) -> None:
         log.warning("TrainingArguments.push_to_hub=True: checkpoints are not pushed while training (call trainer.push_to_hub() after it)")
 
 
-def _trainer_class() -> type:
+def _trainer_class() -> type[Trainer]:
     from transformers import Trainer
 
     return Trainer
@@ -105,7 +104,7 @@ def _trainer_class() -> type:
 
 def _root(ck: CheckpointConfig, output_dir: str) -> str:
     """The checkpoint root: ``checkpoint.checkpoint_dir`` when set, else ``output_dir``."""
-    if not _set(ck.checkpoint_dir, CheckpointConfig().checkpoint_dir):
+    if not is_set(ck.checkpoint_dir, CheckpointConfig().checkpoint_dir):
         return output_dir
     if output_dir != _TRAINER_DEFAULT_OUTPUT_DIR and os.path.abspath(ck.checkpoint_dir) != os.path.abspath(output_dir):
         raise ConfigError(
@@ -119,7 +118,7 @@ def _retention(ck: CheckpointConfig, limit: int | None) -> int | None:
     """``max_recent_checkpoints``: ours, or the ``Trainer``'s ``save_total_limit``."""
     if limit is None:
         return ck.max_recent_checkpoints
-    if ck.save_max is not None or _set(ck.max_recent_checkpoints, limit):
+    if ck.save_max is not None or is_set(ck.max_recent_checkpoints, limit):
         theirs = f"checkpoint.save_max={ck.save_max}" if ck.save_max is not None else f"checkpoint.max_recent_checkpoints={ck.max_recent_checkpoints}"
         raise ConfigError(f"{theirs} and TrainingArguments.save_total_limit={limit} disagree: both set the checkpoints kept; set one of them")
     return limit
@@ -158,7 +157,7 @@ def reconcile(config: ResilienceConfig, trainer: Any) -> TrainerSettings:
     """
     _refuse_unsupported(trainer)
     args = trainer.args
-    ck, sched, defaults = config.checkpoint, config.step_scheduler, StepSchedulerConfig()
+    ck, sched = config.checkpoint, config.step_scheduler
     accumulation = int(args.gradient_accumulation_steps)
     global_batch = int(args.per_device_train_batch_size) * int(args.world_size) * accumulation
     eval_every = (args.eval_steps or args.logging_steps) if args.eval_strategy == "steps" else None
@@ -169,10 +168,7 @@ def reconcile(config: ResilienceConfig, trainer: Any) -> TrainerSettings:
         "val_every_steps": ("eval_steps", eval_every),
         "global_batch_size": ("per_device_train_batch_size x ranks x gradient_accumulation_steps", global_batch),
     }
-    for key, (name, theirs) in owned.items():
-        ours = getattr(sched, key)
-        if _set(ours, getattr(defaults, key)) and not (theirs is not None and math.isclose(float(ours), float(theirs))):
-            raise ConfigError(f"step_scheduler.{key}={ours} and the Trainer's {name}={theirs} disagree: the Trainer owns it; remove step_scheduler.{key}")
+    refuse_disagreements(sched, owned)
     every = _save_cadence(sched.ckpt_every_steps, args)
     checkpoint = dataclasses.replace(ck, checkpoint_dir=_root(ck, args.output_dir), max_recent_checkpoints=_retention(ck, args.save_total_limit))
     epochs = float(args.num_train_epochs)
