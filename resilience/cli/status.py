@@ -26,7 +26,7 @@ from resilience.cli.status_text import format_status
 from resilience.exit_codes import ExitCode
 
 if TYPE_CHECKING:  # annotations only: status on a local root loads no store client
-    from resilience.checkpoint.storage.object_path import ObjectPath
+    from resilience.checkpoint.storage.object_path import Location, ObjectPath
 
 HELP = (
     "a table of the checkpoints under CHECKPOINT_DIR (complete, incomplete, corrupt, marked bad; pointers; metric) "
@@ -273,9 +273,9 @@ def _resume_choice(root: Path, entries: list[dict[str, Any]], deep: bool) -> dic
 
     by_name = {e["name"]: e for e in entries if e["kind"] == "checkpoint"}
 
-    def check(path: Path) -> dict[str, Any]:
+    def check(path: Location) -> dict[str, Any]:
         entry = by_name.get(path.name)
-        state, problem = (entry["checked_state"], entry["problem"]) if entry else _check(path, deep)[:2]
+        state, problem = (entry["checked_state"], entry["problem"]) if entry else _check(read_side(path), deep)[:2]
         if state != "complete":
             raise CheckpointInvalid(f"{state}" + (f": {_relative(problem, root)}" if problem else ""))
         return {}
