@@ -42,7 +42,6 @@ def digits(count: int) -> TensorDataset:
 def weights_digest(model: torch.nn.Module) -> str:
     """sha256 over the parameters' bytes in name order: equal digests, bitwise-equal weights."""
     h = hashlib.sha256()
-    print(sorted((k, tuple(v.shape), v.dtype, v.is_contiguous()) for k, v in model.state_dict().items()))
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode() + p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
