@@ -225,11 +225,15 @@ def epoch_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterato
 
     At a position at the epoch's end no batch is left, but the loader's iterator is still
     created: the run that saved created it too, and creating it draws from the global RNG. A lazy
-    one (Accelerate's) is started and closed, so its loader creates its inner iterator as the
-    saving run's had (else torchdata's loader under Accelerate would hand the next epoch the
-    iterator it made at construction, one global RNG draw short). The loader's generators are then
-    set to their states at the save (``end_generators``): the saving run's iterator had drawn the
-    whole epoch's order from them, this one at most its start, and the next epoch draws on from there.
+    one (a generator, as Accelerate's prepared loaders) is started and closed: the saving run's had
+    run, creating its inner loader's iterator (else torchdata's loader under
+    ``use_stateful_dataloader`` hands the next epoch the iterator it made at construction, one
+    global RNG draw short: other dropout). The loader's generators are then set to their states at
+    the save (``end_generators``): the saving run's iterator had drawn the epoch's order from them,
+    and Accelerate's, a batch ahead, had exhausted its sampler (a ``RandomSampler`` draws once more
+    at its end); left at the epoch's start, the next epoch repeats this one's order. A plain
+    ``DataLoader`` is exhausted only after the save, so a sampler's draw at its end is missed (see
+    docs/data.md).
     """
     if position is not None:
         length = loader_length(loader)
