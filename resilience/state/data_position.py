@@ -146,10 +146,13 @@ def data_position_json(loader: Any, batches_in_epoch: int) -> str:
         start = _epoch_start(loader) or {}
         if start.get("generators"):  # for a loader's own state too (see resume_iterator)
             state["epoch_generators"] = {path: _encode(g) for path, g in start["generators"].items()}
-        if own is None and start.get("rng") is not None:
+        if start.get("rng") is not None:  # for a loader's own state too (see resume_iterator)
             state["epoch_rng"] = _encode(start["rng"])
-            if start["reset"]:
+            if own is None and start["reset"]:
                 state["epoch_reset_workers"] = True
+        length = loader_length(loader)
+        if length is not None and batches_in_epoch >= length:  # see epoch_iterator
+            state["end_generators"] = {path: _encode(g.get_state()) for path, g in _generators(loader).items()}
         return json.dumps(state)
     except TypeError as exc:
         raise TypeError(f"dataloader.state_dict() must be JSON-serialisable to be checkpointed: {exc}") from exc
@@ -197,11 +200,16 @@ def resume_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterat
     if position is None:
         return _iter(loader)
     if is_stateful(loader) and position.get("loader") is not None:
-        # The epoch's generators first: a loader's own state may leave them out (Accelerate's
-        # use_stateful_dataloader: torchdata cannot save its BatchSamplerShard's iterator, so it
-        # draws the epoch's order again from the sampler's generator and skips the consumed batches).
+        # The epoch's generators and global RNG first: a loader's own state may leave out what its
+        # order was drawn from (Accelerate's use_stateful_dataloader: torchdata cannot save the
+        # iterator of a batch sampler it did not make, so it draws the epoch's order again, from the
+        # sampler's generator over several ranks, from the global RNG in one process, and skips the
+        # consumed batches). A checkpoint without ``epoch_rng`` (older ones) leaves it unknown.
         generators = _set_generators(loader, position)
-        _remember(loader, {"rng": None, "generators": generators, "reset": False})  # the epoch's start RNG is unknown here
+        rng = _decode(position["epoch_rng"]) if position.get("epoch_rng") is not None else None
+        if rng is not None:
+            torch.set_rng_state(rng)  # the caller restores the saved RNG after this
+        _remember(loader, {"rng": rng, "generators": generators, "reset": False})
         loader.load_state_dict(_decode(position["loader"]))
         return _started(iter(loader))
     iterator = _replay_iter(loader, position)
@@ -228,12 +236,25 @@ def epoch_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterato
     """This epoch's batches from ``position`` on (see :func:`resume_iterator`).
 
     At a position at the epoch's end no batch is left, but the loader's iterator is still
-    created: the run that saved created it too, and creating it draws from the global RNG.
+    created: the run that saved created it too, and creating it draws from the global RNG. A lazy
+    one (a generator, as Accelerate's prepared loaders) is started and closed: the saving run's had
+    run, creating its inner loader's iterator (else torchdata's loader under
+    ``use_stateful_dataloader`` hands the next epoch the iterator it made at construction, one
+    global RNG draw short: other dropout). The loader's generators are then set to their states at
+    the save (``end_generators``): the saving run's iterator had drawn the epoch's order from them,
+    and Accelerate's, a batch ahead, had exhausted its sampler (a ``RandomSampler`` draws once more
+    at its end); left at the epoch's start, the next epoch repeats this one's order. A plain
+    ``DataLoader`` is exhausted only after the save, so a sampler's draw at its end is missed (see
+    docs/data.md).
     """
     if position is not None:
         length = loader_length(loader)
         if length is not None and position["batches_in_epoch"] >= length:
-            _replay_iter(loader, position)
+            iterator = _replay_iter(loader, position)
+            if inspect.isgenerator(iterator) and inspect.getgeneratorstate(iterator) == inspect.GEN_CREATED:
+                next(iterator, None)
+                iterator.close()
+            _set_generators(loader, position, "end_generators")
             return iter(())
     return resume_iterator(loader, position)
 
@@ -248,10 +269,11 @@ def _replay_iter(loader: Iterable, position: dict[str, Any]) -> Iterator:
     return _iter(loader)
 
 
-def _set_generators(loader: Any, position: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Set the loader's generators to their saved states at the epoch's start; returns those set."""
+def _set_generators(loader: Any, position: dict[str, Any], key: str = "epoch_generators") -> dict[str, torch.Tensor]:
+    """Set the loader's generators to their states saved under ``key`` (at the epoch's start, or at
+    the save for ``end_generators``); returns those set."""
     generators, states = _generators(loader), {}
-    for path, state in (position.get("epoch_generators") or {}).items():
+    for path, state in (position.get(key) or {}).items():
         if path in generators:
             states[path] = _decode(state)
             generators[path].set_state(states[path])
