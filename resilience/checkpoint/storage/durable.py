@@ -27,7 +27,6 @@ from resilience.checkpoint.storage.remote_files import source_of
 DIGEST = "xxh3_128"  # the manifest key of a file's digest
 _ALGORITHMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _CHUNK = 8 << 20  # 8 MiB reads: large enough to run at disk speed, small enough to stay cheap
-_WRITEBACK = 32 << 20  # start the disk's writeback of every 32 MiB written (DurableFile), not only at the fsync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,12 +148,6 @@ class DurableFile(io.RawIOBase):
     to a file object (DCP, ``torch.save``), so a checkpoint file is digested as it is written
     instead of read back afterwards. ``record(relpath)`` describes it once closed.
 
-    Every :data:`_WRITEBACK` bytes it asks the kernel to start writing them out
-    (``posix_fadvise(POSIX_FADV_DONTNEED)`` on the dirty range: Linux starts an asynchronous
-    writeback, ``WB_SYNC_NONE``, and drops only pages already clean). Otherwise the disk idles
-    while a part of a checkpoint below the dirty-page threshold is copied into the page cache and
-    the fsync then waits for all of it; measured in bench/README.md ("sharded save and load").
-
     Raises ``OSError`` from the writes or the fsync (e.g. ENOSPC).
     """
 
@@ -164,7 +157,6 @@ class DurableFile(io.RawIOBase):
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._digest = _ALGORITHMS[DIGEST]()
         self._size = 0
-        self._started = 0  # bytes whose writeback was started
 
     def writable(self) -> bool:
         """Always True: a file opened for writing."""
@@ -186,18 +178,7 @@ class DurableFile(io.RawIOBase):
         while remaining:
             remaining = remaining[os.write(self._fd, remaining) :]
         self._size += len(view)
-        if self._size - self._started >= _WRITEBACK:
-            self._start_writeback()
         return len(view)
-
-    def _start_writeback(self) -> None:
-        """Start the writeback of the bytes written since the last call (a hint: errors ignored,
-        the fsync in :meth:`close` is what makes the file durable)."""
-        try:
-            os.posix_fadvise(self._fd, self._started, self._size - self._started, os.POSIX_FADV_DONTNEED)
-        except (OSError, AttributeError):  # a filesystem without it, or a platform without posix_fadvise
-            pass
-        self._started = self._size
 
     def close(self) -> None:
         """fsync and close (once). An fsync error is raised after the descriptor is closed."""
