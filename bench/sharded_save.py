@@ -1,6 +1,8 @@
-"""The sharded-save row of ``make bench``: FSDP2 on 2 ranks, each writing its half of the state,
-against the disk's aggregate fsync'd write rate and DCP ``save`` of the same sharded state, all
-measured in the same run (the ranks: :mod:`bench.sharded_worker`)."""
+"""The sharded rows of ``make bench``: FSDP2 on 2 ranks, each writing its half of the state, against
+the disk's aggregate fsync'd write rate and DCP ``save`` of the same sharded state; then the load of
+that checkpoint on the same 2 ranks and on 1 rank (resharded), against the disk's cold read of the
+same bytes and DCP ``load``, each checked bitwise; all measured in the same run (the ranks:
+:mod:`bench.sharded_worker`; the phases of one save and load: :mod:`bench.sharded_phases`)."""
 
 from __future__ import annotations
 
@@ -12,33 +14,47 @@ from typing import Any
 
 from bench.common import remove
 from bench.ddp import rank_env
+from bench.sharded_phases import LOAD, SAVE, format_phases, labels
 from resilience.launch import launch
 
-# The default format: each rank writes its own DTensor shards as safetensors (the optimizer through DCP).
+# The default format: each rank writes its own DTensor shards (model and optimizer) as safetensors.
 MODEL_SAVE_FORMAT = "safetensors"
+RESHARD_RANKS = 1  # the resharded load: 2 ranks' checkpoint into 1
 
 
 def bench_sharded_save(work: Path, size: int, repeat: int, *, timeout_s: float, log: Callable[[str], None], nproc: int = 2) -> dict[str, Any]:
-    """Run :mod:`bench.sharded_worker` on ``nproc`` ranks over a ``size``-byte fp32 model (+ Adam)
-    and return its JSON (times in s, sizes in bytes).
+    """Run :mod:`bench.sharded_worker` on ``nproc`` ranks (save, then load) and then on
+    :data:`RESHARD_RANKS` (load of the same checkpoint) over a ``size``-byte fp32 model (+ Adam);
+    return the first run's JSON with the second's under ``reshard`` (times in s, sizes in bytes).
 
     Raises:
-        RuntimeError: a rank failed or the run took longer than ``timeout_s``.
+        RuntimeError: a rank failed (a load that differs from the saved state fails its rank), or
+            a run took longer than ``timeout_s``.
     """
     out, scratch = work / "sharded_result.json", work / "sharded"
-    remove(out)
     remove(scratch)
     scratch.mkdir(parents=True)
-    cmd = [sys.executable, "-u", "-m", "bench.sharded_worker", "--out", str(out), "--dir", str(scratch), "--size", str(size), "--repeat", str(repeat)]
-    cmd += ["--model-save-format", MODEL_SAVE_FORMAT]
-    log(f"sharded save: FSDP2 over {nproc} ranks, {repeat} round(s), model_save_format {MODEL_SAVE_FORMAT}")
     try:
-        with launch(cmd, nproc, env=rank_env(), failure_grace_s=10.0) as group:
-            code = group.wait(timeout=timeout_s)  # subprocess.TimeoutExpired past it; leaving the block ends the ranks
-            codes = [proc.returncode for proc in group.procs]
-        if code != 0:
-            raise RuntimeError(f"the sharded-save ranks exited {codes}")
-        return json.loads(out.read_text())
+        log(f"sharded save and load: FSDP2 over {nproc} ranks, {repeat} round(s), model_save_format {MODEL_SAVE_FORMAT}")
+        doc = _run(out, scratch, size, repeat, nproc, "save", timeout_s)
+        log(format_phases(f"sharded save phases ({nproc} ranks, s)", doc["phases"]["save"], labels(SAVE)))
+        log(format_phases(f"sharded load phases ({nproc} -> {nproc} ranks, s)", doc["phases"]["load"], labels(LOAD)))
+        log(f"sharded load: the checkpoint of {nproc} ranks on {RESHARD_RANKS}")
+        doc["reshard"] = _run(out, scratch, size, repeat, RESHARD_RANKS, "reshard", timeout_s)
+        log(format_phases(f"sharded load phases ({nproc} -> {RESHARD_RANKS} ranks, s)", doc["reshard"]["phases"]["load"], labels(LOAD)))
+        return doc
     finally:
         remove(scratch)
         remove(out)
+
+
+def _run(out: Path, scratch: Path, size: int, repeat: int, nproc: int, mode: str, timeout_s: float) -> dict[str, Any]:
+    remove(out)
+    cmd = [sys.executable, "-u", "-m", "bench.sharded_worker", "--out", str(out), "--dir", str(scratch), "--size", str(size), "--repeat", str(repeat)]
+    cmd += ["--model-save-format", MODEL_SAVE_FORMAT, "--mode", mode]
+    with launch(cmd, nproc, env=rank_env(), failure_grace_s=10.0) as group:
+        code = group.wait(timeout=timeout_s)  # subprocess.TimeoutExpired past it; leaving the block ends the ranks
+        codes = [proc.returncode for proc in group.procs]
+    if code != 0:
+        raise RuntimeError(f"the sharded {mode} ranks ({nproc}) exited {codes}")
+    return json.loads(out.read_text())

@@ -377,6 +377,33 @@ def _sharded_rows(fig: dict[str, Any]) -> list[Row]:
             _s(g["ours_s"]),
             f"DCP save {_s(g['dcp_s'])} ({_rate(state, g['dcp_s'])})",
             _x(g["value"], "{:.2f}x as fast") + _ci(g),
+            g["target"],
+            _verdict(g["pass"]),
+        ),
+        *_sharded_load_rows(fig, "sharded_load"),
+        *_sharded_load_rows(fig, "sharded_reshard_load"),
+    ]
+
+
+def _sharded_load_rows(fig: dict[str, Any], prefix: str) -> list[Row]:
+    f, g = fig[f"{prefix}_vs_disk"], fig[f"{prefix}_vs_dcp"]
+    if f.get("value") is None:
+        return [_missing(f"load, FSDP2 sharded ({prefix})", f)]
+    state, saved, n = f["state_bytes"], f["saved_world_size"], f["world_size"]
+    return [
+        (
+            f"load, FSDP2 {saved} -> {n} rank(s), cold, bitwise equal ({f['bitwise_checks']} checks)",
+            f"{_s(f['ours_s'])} ({_rate(state, f['ours_s'])} aggregate)",
+            f"cold read, {'every rank its own file' if saved == n else 'every saver file'} {_s(f['disk_s'])} ({_rate(state, f['disk_s'])})",
+            _x(f["value"], "{:.2f} of disk") + _ci(f),
+            f["target"],
+            _verdict(f["pass"]),
+        ),
+        (
+            f"sharded load vs DCP load ({saved} -> {n})",
+            _s(g["ours_s"]),
+            f"DCP load + set_state_dict {_s(g['dcp_s'])} ({_rate(state, g['dcp_s'])})",
+            _x(g["value"], "{:.2f}x as fast") + _ci(g),
             "peer",
             "—",
         ),

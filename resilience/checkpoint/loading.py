@@ -16,9 +16,9 @@ from typing import Any
 from resilience.checkpoint import layout
 from resilience.checkpoint.formats import model_io, optim_io
 from resilience.checkpoint.formats.extra_state import load_extra_state
-from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, STEP_SCHEDULER, is_optim_file
+from resilience.checkpoint.layout import MODEL_DIR, MODEL_SHARD_GLOB, OPTIM_DIR, STEP_SCHEDULER, is_optim_file
 from resilience.checkpoint.storage.content_check import ContentCheck
-from resilience.checkpoint.storage.manifest import RANK_MANIFESTS
+from resilience.checkpoint.storage.manifest import OWNED, RANK_MANIFESTS
 from resilience.checkpoint.storage.object_path import Location
 from resilience.config import CheckpointConfig
 from resilience.distributed import DistContext
@@ -149,14 +149,20 @@ def balanced_loading(config: CheckpointConfig, ctx: DistContext) -> bool:
     return bool(config.load_balanced) and ctx.distributed
 
 
-def inline_files(manifest: dict[str, Any], state: TrainingState, *, weights_only: bool) -> list[str]:
+def inline_files(manifest: dict[str, Any], state: TrainingState, *, weights_only: bool, world_size: int | None = None) -> list[str]:
     """The files :func:`load_state` is expected to read whole, in order, and so to digest as it
     reads them: a replicated model's weight shards and the optimizer's own files (not DCP's,
-    which DCP reads). A guess from the names: what it misses is digested after the load."""
+    which DCP reads); at the saver's ``world_size``, also this rank's own pieces of a sharded model
+    and optimizer (its ``OWNED`` files, read whole at the saver's layout). A guess from the names:
+    what it misses is digested after the load."""
     files = manifest["files"]
     model_sharded = any_dtensor(state.model.parameters())
     optim = state.optimizer is not None and not weights_only and manifest["meta"].get("optimizer_saved", True)
-    return [rel for rel in files if (not model_sharded and fnmatch.fnmatch(rel, f"{MODEL_DIR}/{MODEL_SHARD_GLOB}")) or (optim and is_optim_file(rel))]
+    inline = [rel for rel in files if (not model_sharded and fnmatch.fnmatch(rel, f"{MODEL_DIR}/{MODEL_SHARD_GLOB}")) or (optim and is_optim_file(rel))]
+    if world_size is not None and int(manifest["meta"]["world_size"]) == world_size:
+        dirs = (MODEL_DIR, OPTIM_DIR) if optim else (MODEL_DIR,)
+        inline += [rel for rel in manifest.get(OWNED, {}) if any(fnmatch.fnmatch(rel, f"{d}/{MODEL_SHARD_GLOB}") for d in dirs)]
+    return inline
 
 
 def _reload_main_params(optimizer: Any) -> None:

@@ -209,7 +209,7 @@ class Resuming:
         if chosen != directory or manifest is None:  # a directory not from find_resume_point
             manifest = read_manifest(directory)
         weights_only = self.config.no_load_optim and self.resume_source in ("load_path", "restore_from")
-        inline = inline_files(manifest, state, weights_only=weights_only)
+        inline = inline_files(manifest, state, weights_only=weights_only, world_size=self.ctx.world_size)
         balanced = balanced_loading(self.config, self.ctx)
         checkpoint, fetched = directory, None
         if is_object(directory):  # each rank downloads what it reads whole; the rest is read by ranges

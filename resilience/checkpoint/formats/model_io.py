@@ -249,7 +249,7 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, ch
         layout, aliases = sharded_model.read_index(model_dir)  # one parse; a rule's pieces are found by the loader
         live = get_model_state_dict(model)  # the model's own tensors: read into them in place
         if pieces.is_sharded(live) or any(info["shard"] is None for info in layout.values()):
-            shard_files.load_by_slices(model_dir, layout, live, aliases)  # each rank reads what overlaps its blocks
+            shard_files.load_by_slices(model_dir, layout, live, aliases, check)  # each rank reads what overlaps its blocks
             return
         if balanced is not None:
             _load_balanced(balanced, directory, layout, aliases, live, model, check)

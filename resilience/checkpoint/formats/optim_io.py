@@ -203,7 +203,7 @@ def load_optimizer(
             elif "value" in spec:  # written before values were tagged
                 state[fqn][name] = spec["value"]
     if skeleton.get("storage") == optim_shards.STORAGE:
-        optim_shards.load(directory, skeleton, tensors)  # each rank reads the pieces overlapping its blocks
+        optim_shards.load(directory, skeleton, tensors, check)  # each rank reads the pieces overlapping its blocks
     elif (directory / OPTIM_DIR / DCP_METADATA).is_file():
         from resilience.checkpoint.storage import dcp_io  # DCP, imported only for DCP's files
 

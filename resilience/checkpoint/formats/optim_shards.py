@@ -26,6 +26,7 @@ from resilience.checkpoint.formats import shard_files
 from resilience.checkpoint.formats.plan_cache import LayoutCache
 from resilience.checkpoint.formats.sharded_model import layout_of
 from resilience.checkpoint.layout import OPTIM_DIR
+from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.durable import FileRecord
 
 STORAGE = "sharded_safetensors"  # skeleton.json's "storage" for these files
@@ -58,11 +59,12 @@ def json_view(skeleton: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in skeleton.items() if key != PLAN}
 
 
-def load(directory: Path, skeleton: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+def load(directory: Path, skeleton: dict[str, Any], tensors: dict[str, torch.Tensor], check: ContentCheck | None = None) -> None:
     """Fill ``tensors`` (the load targets, ``DTensor`` where the parameter is one) in place from
-    the pieces under ``directory/optim/`` that overlap each one's block on this rank.
+    the pieces under ``directory/optim/`` that overlap each one's block on this rank; a file read
+    whole (a load at the saver's layout) is digested as it passes when in ``check``'s share.
 
     Raises:
         ValueError: keys or shapes differ from the saved ones, or the pieces do not cover a block.
     """
-    shard_files.load_by_slices(directory / OPTIM_DIR, layout_of(skeleton["index"]), tensors, {})
+    shard_files.load_by_slices(directory / OPTIM_DIR, layout_of(skeleton["index"]), tensors, {}, check)

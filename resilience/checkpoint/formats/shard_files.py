@@ -41,9 +41,10 @@ from safetensors import safe_open
 from resilience.checkpoint.formats.pieces import Plan, block_of, local_tensor, overlap_slices
 from resilience.checkpoint.formats.shard_rule import Rule
 from resilience.checkpoint.layout import SHARD_INDEX, model_shard_name
+from resilience.checkpoint.storage.content_check import ContentCheck
 from resilience.checkpoint.storage.durable import FileRecord
 from resilience.checkpoint.storage.remote_files import ensure_local
-from resilience.checkpoint.storage.safetensors_file import write_safetensors
+from resilience.checkpoint.storage.safetensors_file import read_safetensors, read_safetensors_header, write_safetensors
 
 INDEX_FORMAT = "resilience.sharded_safetensors"
 INDEX_VERSION = 3
@@ -161,12 +162,18 @@ def overlapping(info: dict[str, Any], offsets: list[int] | None = None, shape: l
     return [{"file": model_shard_name(r + 1, world, info["file_index"], info["num_files"]), "offsets": list(o), "shape": list(s)} for r, o, s in found]
 
 
-def load_by_slices(model_dir: Path, layout: dict[str, dict[str, Any]], live: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+def load_by_slices(
+    model_dir: Path, layout: dict[str, dict[str, Any]], live: dict[str, torch.Tensor], aliases: dict[str, str], check: ContentCheck | None = None
+) -> None:
     """Fill every tensor of ``live`` (a model's state dict: plain tensors and ``DTensor``\\ s, the
     model's own storage) in place from the pieces of ``layout`` (see
     :func:`~resilience.checkpoint.formats.sharded_model.read_index`) that overlap this rank's
     block of it (a rule's found by arithmetic, see :func:`overlapping`); an alias reads its
     canonical key's pieces.
+
+    A file whose every tensor is one of this rank's blocks exactly (a load at the saver's layout)
+    is read whole, in order, straight into them, and digested as it passes when it is in
+    ``check``'s share (one read of each byte); the others by slices (``safetensors.safe_open``).
 
     Raises:
         ValueError: missing or unexpected keys, another global shape, or a block the stored
@@ -176,28 +183,76 @@ def load_by_slices(model_dir: Path, layout: dict[str, dict[str, Any]], live: dic
     unexpected = sorted(set(layout) - set(live) - set(aliases.values()))
     if missing or unexpected:
         raise ValueError(f"{model_dir}: the model and {SHARD_INDEX} differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        whole, sliced = _plan_reads(model_dir, layout, live, aliases)
+        for name, blocks in whole.items():
+            if not _read_whole(model_dir, name, blocks, check):
+                sliced += [(source, dest, [found]) for source, (dest, found) in blocks.items()]
+        _read_slices(model_dir, sliced)
+
+
+Found = tuple[dict[str, Any], tuple[tuple[slice, ...], tuple[slice, ...]]]  # a stored piece, (its slices, the block's)
+
+
+def _plan_reads(
+    model_dir: Path, layout: dict[str, dict[str, Any]], live: dict[str, torch.Tensor], aliases: dict[str, str]
+) -> tuple[dict[str, dict[str, tuple[torch.Tensor, Found]]], list[tuple[str, torch.Tensor, list[Found]]]]:
+    """The reads of :func:`load_by_slices`: ``{file: {stored key: (this rank's tensor, piece)}}``
+    of the blocks stored exactly as one piece, and ``[(stored key, this rank's tensor, pieces)]``
+    of the rest. Raises ``ValueError`` for another global shape or a block the pieces do not cover."""
+    whole: dict[str, dict[str, tuple[torch.Tensor, Found]]] = {}
+    sliced: list[tuple[str, torch.Tensor, list[Found]]] = []
+    for key, t in live.items():
+        source = aliases.get(key, key)
+        info = layout[source]
+        if list(t.shape) != list(info["shape"]):
+            raise ValueError(f"{model_dir}: {key} has shape {list(t.shape)} in the model, {info['shape']} saved")
+        block, dest = block_of(t), local_tensor(t)
+        found: list[Found] = []
+        for piece in overlapping(info, list(block.offsets), list(block.shape)):
+            where = overlap_slices(list(block.offsets), list(block.shape), piece["offsets"], piece["shape"])
+            if where is not None:
+                found.append((piece, where))
+        covered = sum(math.prod(d.stop - d.start for d in where[1]) for _, where in found)
+        if covered != dest.numel():
+            raise ValueError(f"{model_dir}: the stored pieces of {source} cover {covered} of the {dest.numel()} elements this rank holds")
+        exact = len(found) == 1 and list(found[0][0]["offsets"]) == list(block.offsets) and list(found[0][0]["shape"]) == list(block.shape)
+        if exact and source not in whole.get(found[0][0]["file"], {}):
+            whole.setdefault(found[0][0]["file"], {})[source] = (dest, found[0])
+        else:
+            sliced.append((source, dest, found))
+    return whole, sliced
+
+
+def _read_whole(model_dir: Path, name: str, blocks: dict[str, tuple[torch.Tensor, Found]], check: ContentCheck | None) -> bool:
+    """Read the file ``name`` whole, in order, into ``blocks``' tensors when it holds nothing else
+    (False when it does: the caller reads those blocks by slices), digesting it for ``check``."""
+    path = model_dir / name
+    ensure_local(path)
+    if set(read_safetensors_header(path)) - {"__metadata__"} != set(blocks):
+        return False
+    rel = f"{model_dir.name}/{name}"
+    hasher = check.claim(rel) if check is not None else None  # None: another rank's share, or not ours to digest
+    targets = {source: dest for source, (dest, _) in blocks.items()}
+    read = read_safetensors(path, targets, digest=hasher)
+    for source, dest in targets.items():
+        if read[source] is not dest:  # another dtype or a non-contiguous block: read aside, copied in
+            dest.copy_(read[source].reshape(dest.shape))
+    if hasher is not None:
+        check.report(rel, hasher)
+    return True
+
+
+def _read_slices(model_dir: Path, reads: list[tuple[str, torch.Tensor, list[Found]]]) -> None:
+    """Copy the overlapping slice of every stored piece of ``reads`` into its block (``safe_open``)."""
     handles: dict[str, Any] = {}
     try:
-        with torch.no_grad():
-            for key, t in live.items():
-                source = aliases.get(key, key)
-                info = layout[source]
-                if list(t.shape) != list(info["shape"]):
-                    raise ValueError(f"{model_dir}: {key} has shape {list(t.shape)} in the model, {info['shape']} saved")
-                block, dest = block_of(t), local_tensor(t)
-                filled = 0
-                for piece in overlapping(info, list(block.offsets), list(block.shape)):
-                    where = overlap_slices(list(block.offsets), list(block.shape), piece["offsets"], piece["shape"])
-                    if where is None:
-                        continue
-                    if piece["file"] not in handles:
-                        ensure_local(model_dir / piece["file"])  # on object storage: fetched now if another rank's
-                        handles[piece["file"]] = safe_open(str(model_dir / piece["file"]), framework="pt")
-                    stored = handles[piece["file"]]
-                    part = stored.get_slice(source)[where[0]] if where[0] else stored.get_tensor(source)
-                    dest[where[1]].copy_(part)
-                    filled += part.numel()
-                if filled != dest.numel():
-                    raise ValueError(f"{model_dir}: the stored pieces of {source} cover {filled} of the {dest.numel()} elements this rank holds")
+        for source, dest, found in reads:
+            for piece, where in found:
+                if piece["file"] not in handles:
+                    ensure_local(model_dir / piece["file"])  # on object storage: fetched now if another rank's
+                    handles[piece["file"]] = safe_open(str(model_dir / piece["file"]), framework="pt")
+                stored = handles[piece["file"]]
+                dest[where[1]].copy_(stored.get_slice(source)[where[0]] if where[0] else stored.get_tensor(source))
     finally:
         handles.clear()
