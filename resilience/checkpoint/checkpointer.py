@@ -232,7 +232,7 @@ class Checkpointer(Resuming):
         with HeldInterrupt():
             return self._save(reason, parts, meta or {})
 
-    def _save(self, reason: SaveReason, parts: list[Part] | None, extra_meta: dict[str, Any]) -> Path | None:
+    def _save(self, reason: SaveReason, parts: list[Part] | None, extra_meta: dict[str, Any]) -> Location:
         self.wait()  # at most one save in flight; raises its failure here, on every rank
         if self.ctx.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -324,7 +324,7 @@ class Checkpointer(Resuming):
             self.run_id = self._resumed_run_id or uuid.uuid4().hex
         return self.run_id
 
-    def wait(self) -> Path | None:
+    def wait(self) -> Location | None:
         """Wait for the asynchronous save in flight (if any) to be published; returns its directory.
 
         Raises its ``CheckpointSaveError`` (on every rank), or ``AsyncSaveTimeout`` after
@@ -375,6 +375,7 @@ class Checkpointer(Resuming):
     def _parts(self, reason: SaveReason, *, snapshot: bool = False) -> list[Part]:
         """The pieces of this checkpoint (:func:`checkpoint_parts`); with ``snapshot`` its tensors
         are copied into the staging buffers, for a save written in the background."""
+        assert self.state is not None  # save() refuses a save with neither state nor parts
         return checkpoint_parts(
             self.state,
             self.scheduler,

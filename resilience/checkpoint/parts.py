@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +35,8 @@ from resilience.state.data_position import data_position_json, loader_length
 from resilience.state.rng import capture_rng_state, write_rng_state
 from resilience.state.step_scheduler import StepScheduler
 from resilience.state.training_state import TrainingState
+
+By = Literal["each rank", "rank 0", "all ranks"]  # who writes a part (see Part)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +64,10 @@ class Part:
     """
 
     name: str
-    write: Callable[..., list[str | FileRecord]]
+    write: Callable[..., Sequence[str | FileRecord]]
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    by: Literal["each rank", "rank 0", "all ranks"] = "each rank"
+    by: By = "each rank"
     after_peers: bool = False
     own: bool = False
     peers_read: tuple[str, ...] = ()
@@ -123,7 +125,7 @@ def checkpoint_parts(
             rank=rank,
             cache=optim_cache,
         )
-        by = "all ranks" if optim_io.uses_dcp((tensors, skeleton)) else "each rank"  # DCP's save is a collective
+        by: By = "all ranks" if optim_io.uses_dcp((tensors, skeleton)) else "each rank"  # DCP's save is a collective
         own = not optim_io.is_replicated((tensors, skeleton))  # a replicated state's files are read 1/N by every rank
         if buffers is not None:
             tensors = buffers.copy_in(tensors, prefix="optim.")
@@ -260,7 +262,7 @@ def _common(state: TrainingState, scheduler: StepScheduler, global_batch_size: i
     """MindSpore's ``common.json``: ``epoch_num`` is the 1-based epoch of the step, ``step_num``
     the step's 1-based index within it; ``loss_scale`` comes from a registered ``GradScaler``."""
     epoch = epoch_of(scheduler)
-    step_num = scheduler.batches_in_epoch
+    step_num: int | None = scheduler.batches_in_epoch  # None (null) at an epoch end of a loader without a length: not counted
     if epoch != scheduler.epoch:  # the step ended its epoch: it was the epoch's last batch
         step_num = loader_length(state.dataloader)
     loss_scale = 1.0
@@ -295,7 +297,7 @@ def _losses(step: int, training_rows: list[dict[str, Any]], validation: dict[int
     return json_safe(doc)
 
 
-def _json_part(name: str, rel: str, text: str, by: str = "rank 0") -> Part:
+def _json_part(name: str, rel: str, text: str, by: By = "rank 0") -> Part:
     """A part writing ``text`` (captured already) to ``rel``."""
     return Part(name, _write_text, (rel, text), by=by)
 

@@ -52,6 +52,7 @@ class Resuming:
     global_batch_size: int | None
     data_parallel: DataParallel | None
     _chosen_manifest: tuple[Location | None, dict[str, Any] | None]
+    parent: dict[str, Any] | None
     local: Path | None
     verify_choice: bool = False
     """Digest every file of the checkpoint chosen to resume from before it is returned (a

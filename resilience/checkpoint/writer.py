@@ -320,8 +320,9 @@ def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = 
     try:
         os.rename(staging, final)
     except OSError:
-        if trash is not None or abandoned is not None:
-            os.rename(trash or abandoned, final)  # put the previous checkpoint of this name back where LATEST may point
+        previous = trash or abandoned
+        if previous is not None:
+            os.rename(previous, final)  # put the previous checkpoint of this name back where LATEST may point
         if best_moved:
             write_pointer(root, LOWEST_VAL, final)
         raise

@@ -113,7 +113,7 @@ def load(
     for key, (dtype, shape) in ((k, s) for per_file in specs.values() for k, s in per_file.items()):
         t = targets.get(key)
         fits = isinstance(t, torch.Tensor) and t.is_contiguous() and t.dtype == dtype and list(t.shape) == shape
-        out[key] = t if fits else torch.empty(shape, dtype=dtype)
+        out[key] = t if fits and t is not None else torch.empty(shape, dtype=dtype)  # t is not None: for mypy, which fits does not narrow
     views = {key: _bytes_of(t) for key, t in out.items()}
     error = _broadcast_stream(ctx, directory, files, views, hashers, check)
     ctx.gather_or_raise(error, fail=OSError)
@@ -216,12 +216,12 @@ def _broadcast_stream(
                         x, y = (start if start > a else a), (stop if stop < b else b)
                         place(views[key][x - start : y - start], data[x - a : y - a])
                 hasher = hashers.get(f.rel)
-                if hasher is not None:
+                if check is not None and hasher is not None:
                     hasher.update(data[max(f.start, a) - a : min(f.stop, b) - a])
                     if f.stop <= b:
                         check.report(f.rel, hashers.pop(f.rel))
     for f in files:  # a file without data: its header was all of it
-        if f.start == f.stop and hashers.get(f.rel) is not None:
+        if check is not None and f.start == f.stop and hashers.get(f.rel) is not None:
             check.report(f.rel, hashers.pop(f.rel))
     return error
 
@@ -232,7 +232,7 @@ def _read_part(directory: Path, files: list[_File], a: int, b: int, chunk: torch
         for f in files:
             x, y = max(f.start, a), min(f.stop, b)
             if x < y:
-                read_range(directory / f.rel, f.data + x - f.start, memoryview(chunk[x - a : y - a].numpy()).cast("B"))
+                read_range(directory / f.rel, f.data + x - f.start, chunk[x - a : y - a].numpy().data.cast("B"))  # ndarray.data: its memoryview
     except (OSError, ValueError) as exc:
         chunk.zero_()
         return f"{type(exc).__name__}: {exc}"

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -89,7 +89,7 @@ def write_file(
     return out.record(relpath)
 
 
-def _bands(tensor: TensorPieces, band_bytes: int, handle: Callable[[str], BinaryIO], pool: concurrent.futures.Executor | None):
+def _bands(tensor: TensorPieces, band_bytes: int, handle: Callable[[str], BinaryIO], pool: concurrent.futures.Executor | None) -> Iterator[torch.Tensor]:
     """The full tensor's rows, in order, as tensors of at most ``band_bytes`` (at least one row)."""
     shape = tensor.shape or (1,)  # a 0-d tensor: one row of one element, the same bytes
     if math.prod(shape) == 0:
@@ -109,7 +109,8 @@ def _bands(tensor: TensorPieces, band_bytes: int, handle: Callable[[str], Binary
             piece, at, size = item
             lo, hi = max(first, at[0]), min(last, at[0] + size[0])
             block = read_rows(handle(piece.name), tensor, piece, lo - at[0], hi - at[0])
-            band[(slice(lo - first, hi - first), *(slice(o, o + n) for o, n in zip(at[1:], size[1:])))] = block
+            rows_cols = (slice(lo - first, hi - first), *(slice(o, o + n) for o, n in zip(at[1:], size[1:])))  # mypy takes band[(a, *b)] for 3.11 syntax
+            band[rows_cols] = block
 
         list(pool.map(fill, crossing) if pool is not None else map(fill, crossing))
         yield band

@@ -97,7 +97,7 @@ def write_bundle(
     return write_index(out_dir, layout, targets, aliases) + copy_sidecars(sidecar_dir, out_dir, targets)
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool) -> Any:  # a tqdm bar (untyped), or None
     if not enabled:
         return None
     try:
@@ -209,7 +209,7 @@ def check_inputs(model_dir: Path, *, progress: bool = False) -> None:
         for rel, want in sorted(mine.items()):
             path = checkpoint / rel
             if not well_formed(rel, want):
-                problem = "malformed manifest entry"
+                problem: str | None = "malformed manifest entry"
             else:
                 problem = size_problem(path, want["size"]) or digest_problem(path, want, bar.update if bar is not None else None)
             if problem is not None:
@@ -223,10 +223,10 @@ class CorruptedInput(Exception):
     """A file the bundle would be made from does not match the checkpoint's manifest."""
 
 
-def cpu_copies(state: dict[str, torch.Tensor]):
+def cpu_copies(state: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
     """A ``fetch`` for :func:`write_bundle` from tensors in memory: ``cpu(key)`` is the tensor on the CPU, contiguous, never sharing storage with another key
     (safetensors refuses aliases such as tied weights). Copies are made only when asked for."""
-    first_key: dict[tuple[int, int], str] = {}
+    first_key: dict[tuple[int, int | torch.SymInt], str] = {}  # (storage, offset): torch types an offset int | SymInt
     for key, t in state.items():
         first_key.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), key)
 

@@ -69,7 +69,7 @@ def tied_weight_keys(model: torch.nn.Module) -> set[str]:
     declared = getattr(inner, "all_tied_weights_keys", None)  # transformers >= 5: {tied key: source key}
     if isinstance(declared, dict):
         return set(declared)
-    config = getattr(inner, "config", None)
+    config: Any = getattr(inner, "config", None)
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if getattr(text_config, "tie_word_embeddings", True) is False:
         return set()  # transformers 4 lists the keys per class, whatever the config: nothing is re-tied
@@ -88,9 +88,10 @@ def _original_files(model: torch.nn.Module) -> list[Path]:
     names = (HF_INDEX, HF_SINGLE_FILE)
     directory = Path(name)
     if not directory.is_dir():
-        directory = _cached_snapshot(model, name, names)
-        if directory is None:
+        snapshot = _cached_snapshot(model, name, names)
+        if snapshot is None:
             return []
+        directory = snapshot
     index = directory / names[0]
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -139,7 +140,7 @@ def write_hf_metadata(directory: Path, model: torch.nn.Module, tokenizer: Any = 
     written, relative to ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     before = {p for p in directory.rglob("*") if p.is_file()}
-    inner = unwrap(model)
+    inner: Any = unwrap(model)  # a transformers/peft model: its own attributes, which nn.Module's typing does not know
     if is_peft_model(inner):
         inner = inner.get_base_model()
     if model_files and is_hf_model(inner):
@@ -161,7 +162,7 @@ def save_adapter(directory: Path, model: torch.nn.Module) -> list[str]:
 
     Returns the paths written, relative to ``directory``.
     """
-    inner = unwrap(model)
+    inner: Any = unwrap(model)  # a transformers/peft model: its own attributes, which nn.Module's typing does not know
     directory.mkdir(parents=True, exist_ok=True)
     before = {p for p in directory.rglob("*") if p.is_file()}
     # PeftModel.save_pretrained sets inference_mode on the live config and resets it only when the
@@ -191,7 +192,7 @@ def load_adapter(directory: Path, model: torch.nn.Module) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    inner = unwrap(model)
+    inner: Any = unwrap(model)  # a transformers/peft model: its own attributes, which nn.Module's typing does not know
     for name in inner.peft_config:
         where = directory if name == "default" else directory / name
         weights = where / ADAPTER_WEIGHTS

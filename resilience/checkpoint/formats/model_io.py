@@ -43,7 +43,7 @@ import importlib.resources
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,7 @@ def save_model(
     aliases: dict[str, str] | None = None,
     plan: pieces.Plan | None = None,
     layout_cache: LayoutCache | None = None,
-) -> list[str | FileRecord]:
+) -> Sequence[str | FileRecord]:
     """Write this rank's part of the model into ``staging/model/``; returns what it wrote: records
     of the files digested and fsync'd while written (weight shards, DCP files) and the relative
     paths of the rest (the caller fsyncs and digests those).
@@ -135,10 +135,10 @@ def save_model(
     (staging / MODEL_DIR).mkdir(exist_ok=True)
     state = state_dict if state_dict is not None else get_model_state_dict(model)
     if save_format == "torch_save":
-        written = _save_dcp(staging, state, rank=rank, group=group)
+        files: list[str | FileRecord] = [*_save_dcp(staging, state, rank=rank, group=group)]
         if rank == 0 and (hf_export.is_hf_model(model) or tokenizer is not None):  # as for safetensors: beside the weights
-            written += [f"{MODEL_HF_METADATA}/{rel}" for rel in hf_export.write_hf_metadata(staging / MODEL_HF_METADATA, model, tokenizer)]
-        return written
+            files += [f"{MODEL_HF_METADATA}/{rel}" for rel in hf_export.write_hf_metadata(staging / MODEL_HF_METADATA, model, tokenizer)]
+        return files
     aliases = tied_aliases(model, state) if aliases is None else aliases
     state = {key: t for key, t in state.items() if key not in aliases}
     return _save_sharded(
@@ -259,7 +259,7 @@ def load_model(directory: Path, model: torch.nn.Module, *, group: Any = None, ch
             rel = f"{MODEL_DIR}/{shard}"
             hasher = check.claim(rel) if check is not None else None  # digest the bytes as they pass
             tensors.update(read_safetensors(model_dir / shard, live, digest=hasher))
-            if hasher is not None:
+            if check is not None and hasher is not None:
                 check.report(rel, hasher)
         if set(tensors) != set(layout):
             differ = sorted(set(tensors) ^ set(layout))[:5]

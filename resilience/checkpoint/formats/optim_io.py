@@ -61,7 +61,8 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, An
     groups = tagged_json.encode(state["param_groups"], tagged_json.tensor_to_json, "optimizer.param_groups")
     skeleton: dict[str, Any] = {"param_groups": groups, "state": {}}
     for fqn, entries in state["state"].items():
-        skel = skeleton["state"][fqn] = {}
+        skel: dict[str, Any] = {}
+        skeleton["state"][fqn] = skel
 
         def add(name: str, value: torch.Tensor, part_of: str | None = None, fqn: str = fqn, skel: dict = skel) -> str:
             key = f"state.{fqn}.{name}"
@@ -215,7 +216,11 @@ def load_optimizer(
             if "tensor" in spec and "part_of" not in spec:
                 state[fqn][name] = tensors[spec["tensor"]]
             elif "tagged" in spec:
-                state[fqn][name] = tagged_json.decode(spec["tagged"], lambda part, entries=entries: tensors[entries[part]["tensor"]])
+
+                def part_tensor(part: str, entries: dict[str, Any] = entries) -> torch.Tensor:  # a def: mypy infers no lambda with a default
+                    return tensors[entries[part]["tensor"]]
+
+                state[fqn][name] = tagged_json.decode(spec["tagged"], part_tensor)
     # Skeletons written before param groups were tagged hold lists where the optimizer uses tuples
     # (AdamW's ``betas``): give back the tuple form, so the restored groups equal the saved ones.
     for saved, current in zip(skeleton["param_groups"], optimizer.param_groups):

@@ -38,7 +38,7 @@ def _local_shape_and_offset(t: Any) -> tuple[Any, Any]:
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError:  # torch < 2.5
-        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset  # type: ignore[import-not-found, no-redef]  # torch < 2.5 only
     return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
 
 

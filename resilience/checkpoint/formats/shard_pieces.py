@@ -125,7 +125,7 @@ def read_rows(fh: BinaryIO, tensor: TensorPieces, piece: Piece, start: int, stop
     out = torch.empty((stop - start, *shape[1:]), dtype=tensor.torch_dtype)
     if out.numel() == 0:
         return out
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    view = out.reshape(-1).view(torch.uint8).numpy().data.cast("B")  # ndarray.data: its memoryview (numpy types ndarray a Buffer on 3.12+ only)
     where = piece.start + start * math.prod(shape[1:]) * out.element_size()
     while view:
         n = os.preadv(fh.fileno(), [view], where)

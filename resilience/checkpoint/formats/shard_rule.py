@@ -169,11 +169,11 @@ def balance_replicas(rules: dict[str, Rule | None], nbytes: dict[str, int]) -> d
     holds the same keys and shapes."""
     out = dict(rules)
     order = {key: i for i, key in enumerate(rules)}
-    replicated = [k for k, r in rules.items() if r is not None and r.replicas > 1]
-    kinds = Counter(_kind(rules[k]) for k in replicated)
+    replicated = {k: r for k, r in rules.items() if r is not None and r.replicas > 1}
+    kinds = Counter(_kind(r) for r in replicated.values())
     heaps: dict[tuple, list[tuple[int, int]]] = {}
     for key in sorted(replicated, key=lambda k: (-nbytes[k], order[k])):
-        rule = rules[key]
+        rule = replicated[key]
         kind = _kind(rule)
         if kind not in heaps:  # replicas past the kind's tensor count never get one (ties go to the lowest)
             heaps[kind] = [(0, r) for r in range(min(rule.replicas, kinds[kind]))]
@@ -205,7 +205,7 @@ def rule_of(t: torch.Tensor, world_size: int) -> Rule | None:
         if strided and isinstance(p, strided):
             return None
         if p.is_shard():
-            dims.append(p.dim)
+            dims.append(p.dim)  # type: ignore[attr-defined]  # a Shard: torch types is_shard() as bool, not TypeIs[Shard]
         elif p.is_replicate():
             dims.append(None)
         else:

@@ -69,7 +69,7 @@ def fqn(model: torch.nn.Module, name: str, *, skip_ddp_prefix: bool = True, skip
     name = name.replace(CHECKPOINT_PREFIX, "")
     if "." not in name:
         return name
-    compiled = compiled_module_class()
+    compiled: type[Any] | None = compiled_module_class()  # type[Any]: isinstance then narrows obj to Any (a bare type narrows it to object)
     obj_names = name.split(".")
     kept: list[str] = []
     obj: Any = model
