@@ -115,31 +115,38 @@ class StopAgreement:
             raise ValueError(f"every_steps: must be >= 1, got {every_steps}")
         if nodes not in ("auto", "flat"):
             raise ValueError(f"nodes: expected 'auto' or 'flat', got {nodes!r}")
-        self._every = every_steps
+        self.every_steps = every_steps
+        """The current cadence in steps (it changes only with ``adaptive``); read it, do not set it."""
         self._adaptive = adaptive
         self._owns_group = False
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.new_group(backend="gloo")  # collective: every rank makes the same call
             self._owns_group = True
-        self._group = group
-        self._nodes: NodeGroups | None = None
-        self._local = 0  # sticky MAX of every local_stop seen
-        self._agreed = 0  # final once > 0
+        self.group = group
+        """The gloo group used (``None`` in local mode, and after :meth:`close`)."""
+        self.node_groups: NodeGroups | None = None
+        """The node-local and leader groups each round runs on (``None``: one flat all-reduce)."""
+        self.local = 0
+        """This rank's sticky local reason code (MAX of every ``local_stop`` passed); read only."""
+        self.agreed = 0
+        """The agreed reason code so far (0 = none yet; final once > 0); read only."""
         self._work: Any = None  # the in-flight all-reduce, or None
         self._buf = torch.zeros(2, dtype=torch.int64)  # [stop code, proposed cadence]
         self._closed = False
-        self._round_s = 0.0
-        if self._group is not None:
+        self.round_s = 0.0
+        """Seconds one round took at construction with ``adaptive`` (the slowest of 3 on this rank,
+        after a first that connects); 0.0 without ``adaptive`` or in local mode."""
+        if self.group is not None:
             try:
-                if nodes == "auto" and dist.get_world_size(self._group) == dist.get_world_size() > 1:
+                if nodes == "auto" and dist.get_world_size(self.group) == dist.get_world_size() > 1:
                     self._check_same_cadence_and_find_nodes(timeout_s)
                 else:
                     self._check_same_cadence()
                 if adaptive:
-                    self._round_s = self._time_rounds()
+                    self.round_s = self._time_rounds()
             except BaseException:
                 if self._owns_group:
-                    dist.destroy_process_group(self._group)
+                    dist.destroy_process_group(self.group)
                 raise
 
     def _time_rounds(self, rounds: int = 3) -> float:
@@ -155,59 +162,28 @@ class StopAgreement:
         return slowest
 
     def _check_same_cadence(self) -> None:
-        both = torch.tensor([self._every, -self._every], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._group)
+        both = torch.tensor([self.every_steps, -self.every_steps], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         self._raise_unless_same(int(both[0]), -int(both[1]))
 
     def _check_same_cadence_and_find_nodes(self, timeout_s: float | None) -> None:
         """One all-gather of (node, cadence) from every rank: the same list everywhere, so the same
         decision (node groups or flat) and the same cadence error on every rank."""
-        mine = torch.tensor([node_key(os.environ), self._every], dtype=torch.int64)
-        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
-        dist.all_gather(rows, mine, group=self._group)
+        mine = torch.tensor([node_key(os.environ), self.every_steps], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(rows, mine, group=self.group)
         cadences = [int(row[1]) for row in rows]
         self._raise_unless_same(max(cadences), min(cadences))
-        self._nodes = NodeGroups.build([int(row[0]) for row in rows], dist.get_rank(), timeout_s)
+        self.node_groups = NodeGroups.build([int(row[0]) for row in rows], dist.get_rank(), timeout_s)
 
     def _raise_unless_same(self, high: int, low: int) -> None:
         if high != low:
-            raise ValueError(f"every_steps: must be equal on all ranks, got values from {low} to {high} (this rank: {self._every})")
-
-    @property
-    def every_steps(self) -> int:
-        """The current cadence in steps (it changes only with ``adaptive``)."""
-        return self._every
+            raise ValueError(f"every_steps: must be equal on all ranks, got values from {low} to {high} (this rank: {self.every_steps})")
 
     @property
     def distributed(self) -> bool:
         """True when combining over a process group; False in local mode."""
-        return self._group is not None
-
-    @property
-    def group(self) -> dist.ProcessGroup | None:
-        """The gloo group used (``None`` in local mode)."""
-        return self._group
-
-    @property
-    def round_s(self) -> float:
-        """Seconds one round took at construction with ``adaptive`` (the slowest of 3 on this rank,
-        after a first that connects); 0.0 without ``adaptive`` or in local mode."""
-        return self._round_s
-
-    @property
-    def node_groups(self) -> NodeGroups | None:
-        """The node-local and leader groups each round runs on (``None``: one flat all-reduce)."""
-        return self._nodes
-
-    @property
-    def agreed(self) -> int:
-        """The agreed reason code so far (0 = none yet)."""
-        return self._agreed
-
-    @property
-    def local(self) -> int:
-        """This rank's sticky local reason code (MAX of every ``local_stop`` passed)."""
-        return self._local
+        return self.group is not None
 
     @property
     def in_flight(self) -> bool:
@@ -233,40 +209,40 @@ class StopAgreement:
         step = _reason(global_step, "global_step")
         code = _reason(local_stop, "local_stop")
         self._check_open()
-        if code > self._local:
-            self._local = code
-        if self._agreed:
-            return self._agreed
-        if self._group is None:
-            self._agreed = self._local
-            return self._agreed
-        if step % self._every:
+        if code > self.local:
+            self.local = code
+        if self.agreed:
+            return self.agreed
+        if self.group is None:
+            self.agreed = self.local
+            return self.agreed
+        if step % self.every_steps:
             return 0
         if self._work is not None:
             result = self._read()
             if result:
-                self._agreed = result
+                self.agreed = result
                 return result
-        self._buf[0] = self._local
+        self._buf[0] = self.local
         self._buf[1] = max(0, int(propose_every_steps)) if self._adaptive else 0
         self._work = self._start(self._buf)
         return 0
 
     def _start(self, tensor: torch.Tensor) -> Any:
         """Begin ``tensor = MAX over ranks`` in place: a gloo work or a future (node groups)."""
-        if self._nodes is not None:
-            return self._nodes.start(tensor)
-        return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        if self.node_groups is not None:
+            return self.node_groups.start(tensor)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def _read(self) -> int:
         work, self._work = self._work, None
         self._wait(work)
         if self._adaptive and int(self._buf[1]) >= 1:
-            self._every = int(self._buf[1])  # the same value at the same step on every rank
+            self.every_steps = int(self._buf[1])  # the same value at the same step on every rank
         return int(self._buf[0])
 
     def _wait(self, work: Any) -> None:
-        if self._nodes is not None:
+        if self.node_groups is not None:
             work.result()  # re-raises a failed round (a dead peer past the timeout)
         else:
             work.wait()
@@ -280,9 +256,9 @@ class StopAgreement:
         """
         if self._work is not None:
             result = self._read()
-            if result > self._agreed:
-                self._agreed = result
-        return self._agreed
+            if result > self.agreed:
+                self.agreed = result
+        return self.agreed
 
     def close(self) -> int:
         """:meth:`drain`, then forget the group (destroying it if the constructor created it).
@@ -290,14 +266,14 @@ class StopAgreement:
         Returns the drained code. Idempotent; :meth:`update` raises afterwards.
         """
         if self._closed:
-            return self._agreed
+            return self.agreed
         try:
             return self.drain()
         finally:
             self._closed = True
             self._work = None
-            group, self._group = self._group, None
-            nodes, self._nodes = self._nodes, None
+            group, self.group = self.group, None
+            nodes, self.node_groups = self.node_groups, None
             if nodes is not None:
                 nodes.close()
             if self._owns_group and group is not None and dist.is_initialized():
@@ -312,13 +288,13 @@ class StopAgreement:
         """
         code = _reason(local_stop, "local_stop")
         self._check_open()
-        if self._group is None:
+        if self.group is None:
             return code
         value = torch.tensor([code], dtype=torch.int64)
-        if self._nodes is not None:
-            self._nodes.start(value).result()  # queued after a round in flight, as gloo orders its own
+        if self.node_groups is not None:
+            self.node_groups.start(value).result()  # queued after a round in flight, as gloo orders its own
         else:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
         return int(value[0])
 
     def _check_open(self) -> None:
