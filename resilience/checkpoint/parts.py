@@ -132,7 +132,7 @@ def checkpoint_parts(
         kwargs = {"rank": rank, "world_size": ctx.world_size, "group": group}
         parts.append(Part("optimizer", optim_io.save_optimizer, ((tensors, skeleton),), kwargs, by=by, own=own))
     # every rank writes its shard
-    parts += _model_parts(state, reason, config=config, ctx=ctx, group=group, root=root, buffers=buffers, tensors=model_state, layout_cache=layout_cache)
+    parts += _model_parts(state, reason, _SaveSite(config, ctx, group, root, buffers), model_state, layout_cache)
     if rank == 0:
         if state.lr_scheduler is not None:
             parts.append(_json_part("lr_scheduler", LR_SCHEDULER, optim_io.lr_scheduler_json(state.lr_scheduler)))
@@ -186,21 +186,22 @@ def epoch_of(scheduler: StepScheduler) -> int:
     return scheduler.epoch - 1 if scheduler.batches_in_epoch == 0 and scheduler.epoch > 0 else scheduler.epoch
 
 
-def _model_parts(
-    state: TrainingState,
-    reason: str,
-    *,
-    config: CheckpointConfig,
-    ctx: DistContext,
-    group: Any,
-    root: Path,
-    buffers: StagingBuffers | None,
-    tensors: dict[str, Any] | None = None,
-    layout_cache: LayoutCache | None = None,
-) -> list[Part]:
+@dataclasses.dataclass(frozen=True)
+class _SaveSite:
+    """What every part of one save is written with: :func:`checkpoint_parts`' arguments of the same names."""
+
+    config: CheckpointConfig
+    ctx: DistContext
+    group: Any
+    root: Path
+    buffers: StagingBuffers | None
+
+
+def _model_parts(state: TrainingState, reason: str, site: _SaveSite, tensors: dict[str, Any] | None, layout_cache: LayoutCache | None) -> list[Part]:
     """The model's part; with a Hugging Face bundle of a sharded (DTensor) model, also the part that
     streams it from every rank's shards once they are all written (no rank holds the full model).
     ``tensors``: ``get_model_state_dict(state.model)`` when the caller has it already."""
+    config, ctx, group, root, buffers = site.config, site.ctx, site.group, site.root, site.buffers
     fmt, when = config.model_save_format, config.save_consolidated
     consolidated = when == "every" or (when == "final" and reason == "final")
     if hf_export.is_peft_model(state.model):
