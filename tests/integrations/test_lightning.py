@@ -134,11 +134,11 @@ def test_the_example_runs_as_is_on_one_process_and_its_checkpoint_loads_into_the
     assert proc.returncode == ExitCode.DONE and "rank 0: exit 0" in proc.stdout, proc.stdout + proc.stderr
     final = tmp_path / "ck" / os.readlink(tmp_path / "ck" / LATEST)
     assert final.name == "epoch_0_step_2" and validate(final)["meta"]["reason"] == "final"  # 64 samples: 4 batches, 2 steps
-    sys.path.insert(0, str(EXAMPLE.parent))
-    try:
-        import train as example
-    finally:
-        sys.path.remove(str(EXAMPLE.parent))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lightning_example_train", EXAMPLE)  # not 'train': another example's may be imported already
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
     model = example.DigitsMLP.load_from_checkpoint(final / "checkpoint.ckpt", hidden=64, dropout=0.2, lr=0.01, weights_only=False)
     saved = torch.load(final / "checkpoint.ckpt", weights_only=False)["state_dict"]
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
