@@ -70,20 +70,25 @@ class _RemoteStream(io.RawIOBase):
         self._remote, self._size, self._pos = remote, remote.length(), 0
 
     def readable(self) -> bool:
+        """Always True (``io.RawIOBase``)."""
         return True
 
     def seekable(self) -> bool:
+        """Always True: every read is a range GET at the current offset."""
         return True
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move to ``offset`` bytes from ``whence`` (clamped at 0); returns the new position in bytes."""
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
         self._pos = max(base + offset, 0)
         return self._pos
 
     def tell(self) -> int:
+        """The current position, in bytes."""
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
+        """Fill ``buffer`` from the current position with one range GET; returns the bytes read (0 at the end)."""
         view = memoryview(buffer).cast("B")
         n = max(min(len(view), self._size - self._pos), 0)
         if n:
