@@ -90,7 +90,8 @@ def save_with_our_writer() -> None:
 
     ctx = DistContext.from_env()
     ckpt = config_from_dict({"checkpoint": {"save_consolidated": "every"}}).checkpoint
-    made = checkpoint_parts._model_parts(TrainingState(model=model), "periodic", config=ckpt, ctx=ctx, group=ctx.group, root=out, buffers=None)
+    site = checkpoint_parts._SaveSite(ckpt, ctx, ctx.group, out, None)
+    made = checkpoint_parts._model_parts(TrainingState(model=model), "periodic", site, None, None)
     assert [p.name for p in made] == ["model", "consolidated"] and made[0].kwargs["consolidated"] is False, made
     assert made[1].after_peers and not made[0].after_peers
     if sys.argv[4:] == [str(rank)]:
