@@ -244,13 +244,20 @@ def epoch_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterato
     the save (``end_generators``): the saving run's iterator had drawn the epoch's order from them,
     and Accelerate's, a batch ahead, had exhausted its sampler (a ``RandomSampler`` draws once more
     at its end); left at the epoch's start, the next epoch repeats this one's order. A plain
-    ``DataLoader`` is exhausted only after the save, so a sampler's draw at its end is missed (see
-    docs/data.md).
+    ``DataLoader`` is exhausted only after the save (a ``RandomSampler`` given ``generator=g``
+    draws from it once more then), so torch's own iterator is replayed from the epoch's start
+    instead and its sampler run to its end: the epoch's indices only, no data loaded.
     """
     if position is not None:
         length = loader_length(loader)
         if length is not None and position["batches_in_epoch"] >= length:
             iterator = _replay_iter(loader, position)
+            if type(iterator).__module__ == "torch.utils.data.dataloader":
+                # torch's own iterator: draw the whole epoch's indices (no data is loaded), as the
+                # uninterrupted run's iterator did by its end, its sampler's last draw included
+                for _ in getattr(iterator, "_sampler_iter", ()):
+                    pass
+                return iter(())
             if inspect.isgenerator(iterator) and inspect.getgeneratorstate(iterator) == inspect.GEN_CREATED:
                 next(iterator, None)
                 iterator.close()

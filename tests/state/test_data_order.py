@@ -96,3 +96,17 @@ def test_an_empty_loader_is_refused_at_resilient_loop_and_a_used_up_generator_fa
                 seen.append(step.global_step)
     assert seen == [1, 2, 3] and loop.exit_code == ExitCode.FAILED
     assert not (tmp_path / "ck" / "LATEST").exists()  # no 'final' checkpoint to stop the next run
+
+
+@pytest.mark.parametrize("kind", list(LOADERS))
+def test_a_resume_from_a_checkpoint_at_an_epochs_end_draws_the_next_epochs_order_of_the_uninterrupted_run(tmp_path, kind):
+    # A RandomSampler draws once more from its generator when exhausted, which the saving run's
+    # iterator had not been yet at its save: the resume exhausts the replayed epoch's sampler too.
+    code, reference, ref_losses = run(tmp_path / "reference", kind=kind)
+    assert code == ExitCode.DONE
+    code, first, _ = run(tmp_path / "ck", stop_at=10, kind=kind)  # the last batch of epoch 0
+    assert code == ExitCode.PREEMPTED and max(first) == 10
+    code, resumed, losses = run(tmp_path / "ck", kind=kind)
+    assert code == ExitCode.DONE and min(resumed) == 11
+    assert {s: reference[s] for s in resumed} == resumed
+    assert {s: ref_losses[s] for s in losses} == losses
