@@ -252,10 +252,12 @@ def epoch_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterato
         length = loader_length(loader)
         if length is not None and position["batches_in_epoch"] >= length:
             iterator = _replay_iter(loader, position)
-            if type(iterator).__module__ == "torch.utils.data.dataloader":
-                # torch's own iterator: draw the whole epoch's indices (no data is loaded), as the
-                # uninterrupted run's iterator did by its end, its sampler's last draw included
-                for _ in getattr(iterator, "_sampler_iter", ()):
+            indices = getattr(iterator, "_sampler_iter", None) if type(iterator).__module__ == "torch.utils.data.dataloader" else None
+            if indices is not None:
+                # torch's own iterator (its private sampler iterator, torch 2.x): draw the epoch's
+                # indices (no data is loaded), as the uninterrupted run's did by its end, the
+                # sampler's last draw included; without that attribute, the path below
+                for _ in indices:
                     pass
                 return iter(())
             if inspect.isgenerator(iterator) and inspect.getgeneratorstate(iterator) == inspect.GEN_CREATED:
