@@ -408,12 +408,15 @@ def _goodput(out: dict[str, Any], gp: dict[str, Any]) -> None:
     out["preemption_cost_s"] = entry
 
 
+def _medians(times: dict[str, list[float]]) -> dict[str, float]:
+    """The median seconds of ours, the disk anchor and DCP (``ours_s``, ``disk_s``, ``dcp_s``)."""
+    return {f"{name}_s": median(times[name]) for name in ("ours", "disk", "dcp")}
+
+
 def _sharded(out: dict[str, Any], sharded: dict[str, Any]) -> None:
     t = sharded["times"]
     raw = {
-        "ours_s": median(t["ours"]),
-        "disk_s": median(t["disk"]),
-        "dcp_s": median(t["dcp"]),
+        **_medians(t),
         "world_size": sharded["world_size"],
         "model_save_format": sharded["model_save_format"],
         "state_bytes": sharded["state_bytes"],
@@ -429,9 +432,7 @@ def _sharded(out: dict[str, Any], sharded: dict[str, Any]) -> None:
             continue
         lt = load["times"]
         raw = {
-            "ours_s": median(lt["ours"]),
-            "disk_s": median(lt["disk"]),
-            "dcp_s": median(lt["dcp"]),
+            **_medians(lt),
             "saved_world_size": sharded["world_size"],
             "world_size": load["world_size"],
             "state_bytes": sharded["state_bytes"],

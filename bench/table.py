@@ -364,21 +364,13 @@ def _sharded_rows(fig: dict[str, Any]) -> list[Row]:
         return [_missing("sync save, FSDP2 sharded", f)]
     state, n = f["state_bytes"], f["world_size"]
     return [
-        (
-            f"sync save, FSDP2 {n} ranks ({f['model_save_format']}), {human_bytes(state)} state, each rank its 1/{n}",
-            f"{_s(f['ours_s'])} ({_rate(state, f['ours_s'])} aggregate)",
-            f"disk write+fsync, every rank its shards {_s(f['disk_s'])} ({_rate(state, f['disk_s'])})",
-            _x(f["value"], "{:.2f} of disk") + _ci(f),
-            f["target"],
-            _verdict(f["pass"]),
-        ),
-        (
-            f"sharded save vs DCP save ({n} ranks)",
-            _s(g["ours_s"]),
-            f"DCP save {_s(g['dcp_s'])} ({_rate(state, g['dcp_s'])})",
-            _x(g["value"], "{:.2f}x as fast") + _ci(g),
-            g["target"],
-            _verdict(g["pass"]),
+        *_disk_and_dcp_rows(
+            (
+                f,
+                f"sync save, FSDP2 {n} ranks ({f['model_save_format']}), {human_bytes(state)} state, each rank its 1/{n}",
+                "disk write+fsync, every rank its shards",
+            ),
+            (g, f"sharded save vs DCP save ({n} ranks)", "DCP save", g["target"], _verdict(g["pass"])),
         ),
         *_sharded_load_rows(fig, "sharded_load"),
         *_sharded_load_rows(fig, "sharded_reshard_load"),
@@ -389,23 +381,38 @@ def _sharded_load_rows(fig: dict[str, Any], prefix: str) -> list[Row]:
     f, g = fig[f"{prefix}_vs_disk"], fig[f"{prefix}_vs_dcp"]
     if f.get("value") is None:
         return [_missing(f"load, FSDP2 sharded ({prefix})", f)]
-    state, saved, n = f["state_bytes"], f["saved_world_size"], f["world_size"]
+    saved, n = f["saved_world_size"], f["world_size"]
+    return _disk_and_dcp_rows(
+        (
+            f,
+            f"load, FSDP2 {saved} -> {n} rank(s), cold, bitwise equal ({f['bitwise_checks']} checks)",
+            f"cold read, {'every rank its own file' if saved == n else 'every saver file'}",
+        ),
+        (g, f"sharded load vs DCP load ({saved} -> {n})", "DCP load + set_state_dict", "peer", "—"),
+    )
+
+
+def _disk_and_dcp_rows(disk: tuple[dict[str, Any], str, str], dcp: tuple[dict[str, Any], str, str, str, str]) -> list[Row]:
+    """A sharded figure's two rows: ours against the disk's rate, then against DCP's
+    (``disk``: figure, label, anchor; ``dcp``: figure, label, anchor, target, verdict)."""
+    (f, label, anchor), (g, dcp_label, dcp_anchor, target, verdict) = disk, dcp
+    state = f["state_bytes"]
     return [
         (
-            f"load, FSDP2 {saved} -> {n} rank(s), cold, bitwise equal ({f['bitwise_checks']} checks)",
+            label,
             f"{_s(f['ours_s'])} ({_rate(state, f['ours_s'])} aggregate)",
-            f"cold read, {'every rank its own file' if saved == n else 'every saver file'} {_s(f['disk_s'])} ({_rate(state, f['disk_s'])})",
+            f"{anchor} {_s(f['disk_s'])} ({_rate(state, f['disk_s'])})",
             _x(f["value"], "{:.2f} of disk") + _ci(f),
             f["target"],
             _verdict(f["pass"]),
         ),
         (
-            f"sharded load vs DCP load ({saved} -> {n})",
+            dcp_label,
             _s(g["ours_s"]),
-            f"DCP load + set_state_dict {_s(g['dcp_s'])} ({_rate(state, g['dcp_s'])})",
+            f"{dcp_anchor} {_s(g['dcp_s'])} ({_rate(state, g['dcp_s'])})",
             _x(g["value"], "{:.2f}x as fast") + _ci(g),
-            "peer",
-            "—",
+            target,
+            verdict,
         ),
     ]
 
