@@ -40,3 +40,23 @@ def train_xy(config: dict, *, batches: int = 4, on_step=None):
             if on_step is not None:
                 on_step(step)
     return loop
+
+
+def train_linear(config: dict, batches: list, *, val: dict[int, float] | None = None) -> list[tuple[int, float]]:
+    """Linear(2, 1) + SGD(lr 0.01), seed 0, on ``batches`` (tensors of 2 columns), its loss logged
+    and ``val[step]`` logged as ``val_loss`` at those steps; returns ``(global step, loss)`` per step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    with resilient_loop(config, model=model, optimizer=optimizer, dataloader=batches) as loop:
+        for step in loop:
+            optimizer.zero_grad()
+            loss = model(step.batch).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            loop.log(loss=loss.item())
+            losses.append((step.global_step, loss.item()))
+            if val and step.global_step in val:
+                loop.log_validation(val_loss=val[step.global_step])
+    return losses

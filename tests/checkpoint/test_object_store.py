@@ -23,6 +23,7 @@ from resilience.checkpoint.storage.s3_store import S3Store
 from resilience.checkpoint.storage.stores import forget_stores, open_store
 from resilience.checkpoint.writer import CheckpointSaveError
 from resilience.config import CheckpointConfig, ConfigError
+from tiny_runs import train_linear
 
 pytestmark = pytest.mark.usefixtures("no_launcher_environment")
 
@@ -39,29 +40,15 @@ class Unsized:
 
 def run(url, local, max_steps, *, val=None, checkpoint=None, hook=None, data=BATCHES):
     """Train a linear model to ``max_steps`` (``None``: one epoch) with a save every step; returns the losses logged."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     cfg = {
         "step_scheduler": {"max_steps": max_steps, "ckpt_every_steps": 1, "num_epochs": 1},
         "checkpoint": {"checkpoint_dir": url, "local_dir": str(local), **(checkpoint or {})},
     }
-    losses = []
     writer.fault_hook = hook
     try:
-        with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=data) as loop:
-            for step in loop:
-                optimizer.zero_grad()
-                loss = model(step.batch).pow(2).mean()
-                loss.backward()
-                optimizer.step()
-                loop.log(loss=loss.item())
-                losses.append((step.global_step, loss.item()))
-                if val and step.global_step in val:
-                    loop.log_validation(val_loss=val[step.global_step])
+        return train_linear(cfg, data, val=val)
     finally:
         writer.fault_hook = None
-    return losses
 
 
 def committed(url):

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilience import resilient_loop
 from resilience.checkpoint import Checkpointer, CheckpointSaveError, TrainingState, writer
 from resilience.checkpoint.layout import LATEST, LOWEST_VAL, PRUNING_PREFIX
 from resilience.checkpoint.policy.retention import plan_prune, prune
@@ -19,6 +18,7 @@ from resilience.checkpoint.storage.pointers import read_pointer
 from resilience.config import CheckpointConfig, ConfigError, config_from_dict
 from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler
+from tiny_runs import train_linear
 
 pytestmark = pytest.mark.usefixtures("no_launcher_environment")
 
@@ -27,22 +27,11 @@ BATCHES = [torch.full((2, 2), float(i)) for i in range(12)]
 
 def run(root: Path, max_steps: int, *, checkpoint: dict | None = None, val: dict[int, float] | None = None) -> None:
     """A real single-process run: Linear + SGD, a checkpoint every step, validation at ``val`` steps."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     cfg = {
         "step_scheduler": {"max_steps": max_steps, "ckpt_every_steps": 1},
         "checkpoint": {"checkpoint_dir": str(root), **(checkpoint or {})},
     }
-    with resilient_loop(cfg, model=model, optimizer=optimizer, dataloader=BATCHES) as loop:
-        for step in loop:
-            optimizer.zero_grad()
-            loss = model(step.batch).pow(2).mean()
-            loss.backward()
-            optimizer.step()
-            loop.log(loss=loss.item())
-            if val and step.global_step in val:
-                loop.log_validation(val_loss=val[step.global_step])
+    train_linear(cfg, BATCHES, val=val)
 
 
 def checkpoint_dirs(root: Path) -> set[str]:
