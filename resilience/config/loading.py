@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from resilience.config.checks import ConfigError
-from resilience.config.mindspore_names import normalize_aliases
+from resilience.config.mindspore_names import ALIASES, normalize_aliases
 from resilience.config.resilience_config import SECTIONS, ResilienceConfig
 
 
@@ -28,9 +28,10 @@ def _build_section(name: str, cls: type, raw: Any) -> Any:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{name}: expected a mapping of keys, got {type(raw).__name__}")
     known = [f.name for f in dataclasses.fields(cls)]
+    spellings = known + [key for section, key in ALIASES if section == name]  # MindSpore's, moved out before this
     for key in raw:
         if key not in known:
-            raise ConfigError(f"{name}.{key}: unknown key{_suggest(str(key), known)}")
+            raise ConfigError(f"{name}.{key}: unknown key{_suggest(str(key), spellings)}")
     return cls(**raw)
 
 
@@ -43,17 +44,32 @@ def config_from_dict(data: Mapping[str, Any] | None) -> ResilienceConfig:
             MindSpore Transformers and NeMo spellings of one setting that disagree.
     """
 
-    data = normalize_aliases(dict(data or {}))
+    given = dict(data or {})
+    data = normalize_aliases(given)
     sections = {}
     extra = {}
     for key, value in data.items():
         if key in SECTIONS:
-            sections[key] = _build_section(key, SECTIONS[key], value)
+            try:
+                sections[key] = _build_section(key, SECTIONS[key], value)
+            except ConfigError as exc:
+                raise _as_spelt(exc, given) from None
         elif difflib.get_close_matches(str(key), list(SECTIONS), n=1, cutoff=0.75):
             raise ConfigError(f"{key}: unknown section{_suggest(str(key), list(SECTIONS))}")
         else:
             extra[key] = value
     return ResilienceConfig(**sections, extra=extra)
+
+
+def _as_spelt(exc: ConfigError, given: Mapping[str, Any]) -> ConfigError:
+    """``exc`` naming the key as the user spelt it where a MindSpore alias was moved to ours
+    (``checkpoint.async_save``, not ``checkpoint.is_async``)."""
+    for (src_section, src_key), (dst_section, dst_key) in ALIASES.items():
+        section = given.get(src_section)
+        ours = f"{dst_section}.{dst_key}:"
+        if isinstance(section, Mapping) and src_key in section and str(exc).startswith(ours):
+            return ConfigError(f"{src_section}.{src_key} (read as {dst_section}.{dst_key}):{str(exc)[len(ours) :]}")
+    return exc
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -53,7 +55,7 @@ class TrainingState:
         if loader_length(self.dataloader) == 0:
             raise ValueError("dataloader: it has no batches (len() is 0): an empty dataset, or batch_size larger than it with drop_last=True")
         if (why := randomness_not_restored(self.dataloader)) is not None:
-            warnings.warn(why, UserWarning, stacklevel=3)
+            warnings.warn(why, UserWarning, stacklevel=_callers_level())
         if self.dataloader is not None:
             check_loader_state(self.dataloader)  # its own state_dict() if that works, else a replay (logged)
         if _check_stateful("optimizer", self.optimizer):
@@ -100,3 +102,14 @@ def _check_step_without_closure(optimizer: Any) -> None:
             "helpers that restore an optimizer call step() without one, so it could be saved but never resumed; "
             "use an optimizer whose closure is optional"
         )
+
+
+def _callers_level() -> int:
+    """``warnings.warn``'s ``stacklevel``, called from ``__post_init__``, that names the first line
+    outside this package (and outside the dataclass's generated ``__init__``): the user's
+    ``resilient_loop()`` or ``TrainingState(...)`` call, not ours."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(2), 2  # level 1: __post_init__; 2: the generated __init__
+    while frame is not None and (frame.f_code.co_filename == "<string>" or os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep)):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -141,6 +142,25 @@ def test_empty_save_path_while_saving_is_an_error(value):
 )
 def test_bad_values_name_the_key(key, value):
     with pytest.raises(ConfigError, match=rf"checkpoint\.{key}"):
+        config_from_dict({"checkpoint": {key: value}})
+
+
+@pytest.mark.parametrize(
+    "misspelt, value, close",
+    [("asyncsave", True, "async_save"), ("save_pth", "/tmp/x", "save_path"), ("save_interleaved_step", 3, "save_interleaved_steps")],
+    ids=["async_save", "save_path", "save_interleaved_steps"],
+)
+def test_a_misspelt_mindspore_name_is_told_its_mindspore_spelling(misspelt, value, close):
+    with pytest.raises(ConfigError, match=rf"checkpoint\.{misspelt}: unknown key; did you mean '{close}'\?"):
+        config_from_dict({"checkpoint": {misspelt: value}})
+
+
+@pytest.mark.parametrize(
+    "key, value, ours",
+    [("async_save", "maybe", "checkpoint.is_async"), ("save_interleaved_steps", 0, "step_scheduler.ckpt_every_steps")],
+)
+def test_a_bad_value_under_a_mindspore_name_names_the_key_as_written(key, value, ours):
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.{key} \(read as {re.escape(ours)}\): "):
         config_from_dict({"checkpoint": {key: value}})
 
 

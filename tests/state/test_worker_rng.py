@@ -14,7 +14,7 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from resilience import WorkerRNG
+from resilience import WorkerRNG, resilient_loop
 from resilience.state.data_position import data_position_json, resume_iterator
 from resilience.state.training_state import TrainingState
 
@@ -70,8 +70,16 @@ def test_without_it_the_draws_differ_and_resilient_loop_warns():
 
 
 def test_a_plain_loader_with_persistent_workers_warns_too_and_one_without_does_not(recwarn):
-    with pytest.warns(UserWarning, match=r"persistent_workers=True carries its workers' RNG across epochs"):
+    with pytest.warns(UserWarning, match=r"persistent_workers=True carries its workers' RNG across epochs") as caught:
         TrainingState(model=torch.nn.Linear(1, 1), dataloader=torch.utils.data.DataLoader(RandomCrops(), num_workers=2, persistent_workers=True))
+    assert caught[0].filename == __file__  # the caller's line, not the library's
+    with pytest.warns(UserWarning, match="persistent_workers=True carries") as caught:
+        resilient_loop(
+            {"checkpoint": {"enabled": False}},
+            model=torch.nn.Linear(1, 1),
+            dataloader=torch.utils.data.DataLoader(RandomCrops(), num_workers=2, persistent_workers=True),
+        )
+    assert [w.filename for w in caught if "carries" in str(w.message)] == [__file__]  # the resilient_loop() call
     TrainingState(model=torch.nn.Linear(1, 1), dataloader=torch.utils.data.DataLoader(RandomCrops(), num_workers=2))
     assert not [w for w in recwarn if "WorkerRNG" in str(w.message)]
 
