@@ -7,6 +7,7 @@ import inspect
 import os
 import re
 import sys
+import types
 import warnings
 from typing import Any
 
@@ -109,6 +110,7 @@ def _callers_level() -> int:
     outside this package (and outside the dataclass's generated ``__init__``): the user's
     ``resilient_loop()`` or ``TrainingState(...)`` call, not ours."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame: types.FrameType | None
     frame, level = sys._getframe(2), 2  # level 1: __post_init__; 2: the generated __init__
     while frame is not None and (frame.f_code.co_filename == "<string>" or os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep)):
         frame, level = frame.f_back, level + 1
