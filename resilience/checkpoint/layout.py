@@ -176,12 +176,22 @@ class Directory(Protocol):
     module imports no storage code)."""
 
     @property
-    def name(self) -> str: ...  # noqa: D102
+    def name(self) -> str:
+        """The last component, as ``Path.name``."""
+
     def __truediv__(self, other: str) -> Directory: ...
-    def is_dir(self) -> bool: ...  # noqa: D102
-    def iterdir(self) -> Iterator[Self]: ...  # noqa: D102
-    def is_file(self) -> bool: ...  # noqa: D102
-    def is_symlink(self) -> bool: ...  # noqa: D102
+
+    def is_dir(self) -> bool:
+        """As ``Path.is_dir`` (an object prefix with keys under it, for an ``ObjectPath``)."""
+
+    def iterdir(self) -> Iterator[Self]:
+        """The entries directly under it, as ``Path.iterdir``."""
+
+    def is_file(self) -> bool:
+        """As ``Path.is_file`` (an object, for an ``ObjectPath``)."""
+
+    def is_symlink(self) -> bool:
+        """As ``Path.is_symlink`` (never, for an ``ObjectPath``)."""
 
 
 _D = TypeVar("_D", bound=Directory)
