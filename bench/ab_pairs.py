@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from resilience.config import StepSchedulerConfig
+
 if TYPE_CHECKING:
     from bench.ddp_worker import DigitsRun
 
-AUTO_INTERVAL_S = 0.1  # step_scheduler.agreement_interval_s's default
+AUTO_INTERVAL_S = StepSchedulerConfig().agreement_interval_s  # the library's default
 
 
 def ab_phase(
@@ -44,7 +46,7 @@ def ab_phase(
 
     def propose() -> int:
         timer.boundary()
-        return auto_cadence(timer.step_s, AUTO_INTERVAL_S) if rank == 0 else 0
+        return auto_cadence(timer.step_s, AUTO_INTERVAL_S) if rank == 0 and agreement.starts_round(counter[0]) else 0  # as the loop
 
     def boundary() -> None:
         agreement.update(counter[0], 0, propose_every_steps=propose())

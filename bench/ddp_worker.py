@@ -138,12 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         if k != "auto":
             return StopAgreement(side, every_steps=int(k)), lambda: 0
         timer = RunTimer()
+        agreement = StopAgreement(side, every_steps=1, adaptive=True)
 
         def propose() -> int:
             timer.boundary()
-            return auto_cadence(timer.step_s, AUTO_INTERVAL_S) if rank == 0 else 0
+            return auto_cadence(timer.step_s, AUTO_INTERVAL_S) if rank == 0 and agreement.starts_round(counter[0]) else 0  # as the loop
 
-        return StopAgreement(side, every_steps=1, adaptive=True), propose
+        return agreement, propose
 
     def block(variant: str, steps: int) -> tuple[list[float], float]:
         """Per-step times (s), and the total time spent in the step-boundary call itself."""

@@ -134,7 +134,8 @@ def agreement_chunks(
 
     def boundary() -> None:
         timer.boundary()
-        propose = auto_cadence(timer.step_s, max(interval_s, 2 * agreement.round_s)) if every == "auto" and rank == 0 else 0
+        auto = every == "auto" and rank == 0 and agreement.starts_round(counter[0])  # as the loop: a proposal only when sent
+        propose = auto_cadence(timer.step_s, max(interval_s, 2 * agreement.round_s)) if auto else 0
         agreement.update(counter[0], 0, propose_every_steps=propose)
 
     try:

@@ -250,7 +250,7 @@ class ResilientLoop:
                 scheduler.finish_step(micro + 1)
                 self.timer.boundary()
                 self.progress.step(scheduler.global_step)
-                proposal = self._proposed_cadence(agreement.round_s)
+                proposal = self._proposed_cadence(agreement.round_s) if agreement.starts_round(scheduler.global_step) else 0
                 stop = agreement.update(scheduler.global_step, max(self._pending(), self._deadline_flag()), propose_every_steps=proposal)
                 if scheduler.done:
                     break  # a stop during the final step: finish normally

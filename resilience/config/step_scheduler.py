@@ -33,10 +33,11 @@ class StepSchedulerConfig:
     (about one small gloo all-reduce, ~0.2-0.3 ms) smaller. ``auto`` starts at 1 and follows
     rank 0's measured step time so that a round runs about every ``agreement_interval_s``:
     for short steps, a per-step cost under 1 % and a stop within about twice that interval."""
-    agreement_interval_s: float = 0.25
-    """With ``agreement_every_steps: auto``, the target time between agreement rounds, in seconds
-    (default 0.25: a stop within ~0.5 s of the signal, and the rounds' cost under 1 % of a short
-    step on 2 busy cores, measured by ``make bench``'s direct figure; 0.1 cost 1.1-1.7 %)."""
+    agreement_interval_s: float = 0.5
+    """With ``agreement_every_steps: auto``, the target time between agreement rounds, in seconds.
+    Default 0.5: a stop within 1 s of the signal (2k - 1 steps of a k-step interval), and the
+    agreement's cost under 1 % of a 3 ms step on 2 busy cores by ``make bench``'s direct figure
+    (+0.7 % [+0.6, +0.9]; 0.25 s read +0.9 % [+0.7, +1.1], 0.1 s 1.1-1.7 %)."""
     agreement_nodes: str = "auto"
     """How a stop-agreement round combines the ranks: ``auto`` (default) runs it on node-local groups
     plus a group of node leaders when the launcher's environment (``GROUP_RANK``, ``SLURM_NODEID``)

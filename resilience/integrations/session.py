@@ -290,7 +290,7 @@ class TrainerSession:
         deadline = STOP_DEADLINE if self.deadline.must_stop(self.cadence) else 0
         agreement = self._entered_agreement()
         propose = 0
-        if self._auto and self.ctx.rank == 0:
+        if self._auto and self.ctx.rank == 0 and agreement.starts_round(global_step):
             propose = auto_cadence(self.timer.step_s, max(self.config.step_scheduler.agreement_interval_s, 2 * agreement.round_s))
         return agreement.update(global_step, max(self._pending(), deadline), propose_every_steps=propose)
 

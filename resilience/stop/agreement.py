@@ -8,7 +8,7 @@ collective that had less than a whole cadence to finish (measured on 2 CPU ranks
 all-reduce every step costs 2-8 % of a 20-40 ms step; this pattern about a quarter of that).
 
 At scale the round itself is the cost: gloo's ring all-reduce takes ``2(N - 1)`` sequential hops,
-past the default 0.25 s cadence at thousands of ranks. When the ranks span several nodes, with several ranks
+past the default 0.5 s cadence at thousands of ranks. When the ranks span several nodes, with several ranks
 on a node, the MAX runs on node-local groups plus a group of node leaders instead
 (:mod:`resilience.stop.node_groups`; bench/agreement.py measures the hop and prints both costs).
 """
@@ -206,6 +206,18 @@ class StopAgreement:
             TypeError / ValueError: bad ``global_step`` or ``local_stop``.
             RuntimeError: after :meth:`close`.
         """
+        # Between rounds with nothing new to carry, a plain int step returns at once: this runs after
+        # every step, with the interpreter's caches cold from the step (bench/direct_cost.py).
+        if (
+            type(global_step) is int
+            and type(local_stop) is int
+            and 0 <= local_stop <= self.local
+            and global_step > 0
+            and global_step % self.every_steps
+            and not self.agreed
+            and self.group is not None
+        ):
+            return 0
         step = _reason(global_step, "global_step")
         code = _reason(local_stop, "local_stop")
         self._check_open()
@@ -227,6 +239,12 @@ class StopAgreement:
         self._buf[1] = max(0, int(propose_every_steps)) if self._adaptive else 0
         self._work = self._start(self._buf)
         return 0
+
+    def starts_round(self, global_step: int) -> bool:
+        """True when :meth:`update` at ``global_step`` reads and starts a round (so carries a
+        proposed cadence); False between rounds, once agreed, in local mode and after :meth:`close`.
+        Lets a proposer compute its proposal only when it is sent."""
+        return self.group is not None and not self.agreed and global_step % self.every_steps == 0
 
     def _start(self, tensor: torch.Tensor) -> Any:
         """Begin ``tensor = MAX over ranks`` in place: a gloo work or a future (node groups)."""

@@ -429,7 +429,7 @@ def test_advise_of_an_empty_root_says_there_are_no_checkpoints(tmp_path, capsys)
 def test_advise_shows_sub_millisecond_steps_so_the_printed_arithmetic_adds_up(tmp_path, capsys):
     write_manifest(tmp_path, 2, 100.0, 0.000812, 0.0223)
     code, out, _ = run_cli(capsys, "advise", str(tmp_path))
-    assert code == 0 and "(613 x 0.000812 + 0.0223) x 1.5 = 0.780 s" in out and "k = 307 for 0.000812 s steps" in out, out
+    assert code == 0 and "(1229 x 0.000812 + 0.0223) x 1.5 = 1.530 s" in out and "k = 615 for 0.000812 s steps" in out, out
 
 
 def test_advise_without_timings_exits_1_saying_why(tmp_path, capsys):

@@ -64,7 +64,7 @@ def test_defaults_without_file_or_with_empty_sections(tmp_path):
         assert cfg.step_scheduler.num_epochs == 1
         assert cfg.step_scheduler.max_steps is None
         assert cfg.step_scheduler.ckpt_every_steps is None
-        assert cfg.step_scheduler.agreement_every_steps == "auto" and cfg.step_scheduler.agreement_interval_s == 0.25
+        assert cfg.step_scheduler.agreement_every_steps == "auto" and cfg.step_scheduler.agreement_interval_s == 0.5
         assert cfg.step_scheduler.agreement_nodes == "auto"
         assert cfg.step_scheduler.signals == (signal.SIGTERM,)
         assert cfg.checkpoint == CheckpointConfig()

@@ -62,6 +62,13 @@ def _drain_scenario(rank):
 
     out = {}
     agreement = StopAgreement(every_steps=4)
+    out["bad_flags_between_rounds"] = []
+    for flag in (-1, 1.0, "1"):  # the quick path between rounds still checks its input
+        try:
+            agreement.update(1, flag)
+            out["bad_flags_between_rounds"].append("no error")
+        except (TypeError, ValueError) as exc:
+            out["bad_flags_between_rounds"].append(type(exc).__name__)
     for step in range(1, 7):  # the all-reduce started at step 4 is still unread after step 6
         agreement.update(step, 0)
     out["in_flight_before"] = agreement.in_flight
@@ -107,13 +114,14 @@ def _adaptive_scenario(rank):
 
     # Rank 0 proposes k=5 at step 3 (read at step 4 by both); rank 1 flags at step 11: carried by
     # the round started at 15 (the first multiple of 5 after 11), read at 20.
-    cadence, results = [], []
+    cadence, results, due = [], [], []
     with StopAgreement(every_steps=1, adaptive=True) as agreement:
         for step in range(1, 26):
             propose = 5 if (rank == 0 and step == 3) else 0
+            due.append(agreement.starts_round(step))
             results.append(agreement.update(step, 1 if (rank == 1 and step == 11) else 0, propose_every_steps=propose))
             cadence.append(agreement.every_steps)
-    return {"cadence": cadence, "results": results}
+    return {"cadence": cadence, "results": results, "starts_round": due, "starts_round_after_close": agreement.starts_round(30)}
 
 
 def _measure(rank):
@@ -217,6 +225,7 @@ def test_drain_returns_inflight_result_and_leaves_nothing_pending(ranks):
     for r in range(WORLD):
         d = ranks[r]["drain"]
         assert d["in_flight_before"] is True
+        assert d["bad_flags_between_rounds"] == ["ValueError", "TypeError", "TypeError"]
         assert d["drain_zero"] == [0, 0]  # idempotent
         assert d["in_flight_after"] is False
         assert d["after_drain"] == [0] * 13 + [1]  # steps 7..19 continue, step 20 stops
@@ -247,6 +256,9 @@ def test_adaptive_cadence_switches_on_every_rank_at_the_same_step(ranks):
         a = ranks[r]["adaptive"]
         assert a["cadence"] == [1, 1, 1] + [5] * 22  # rank 0's proposal, read by both at step 4
         assert _stop_step(a["results"]) == 20
+        # a round at steps 1-4 (k=1), then every 5th step up to the agreed stop, none after it or after close()
+        assert [step for step, due in enumerate(a["starts_round"], start=1) if due] == [1, 2, 3, 4, 5, 10, 15, 20]
+        assert a["starts_round_after_close"] is False
     assert ranks[0]["adaptive"] == ranks[1]["adaptive"]
 
 
