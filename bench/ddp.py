@@ -20,6 +20,7 @@ from typing import Any
 
 from bench.common import REPO, median, remove
 from bench.stats import controlled_overhead, median_interval
+from resilience.config import StepSchedulerConfig
 from resilience.exit_codes import ExitCode
 from resilience.launch import launch
 
@@ -47,7 +48,7 @@ def bench_agreement(
     ab_max_s: float = 0.0,
     direct_calls: int = 3000,
     direct_chunk: int = 50,
-    direct_interval_s: float = 0.1,
+    direct_interval_s: float | None = None,
 ) -> dict[str, Any]:
     """Run :mod:`bench.ddp_worker` on 2 ranks and summarise its blocks.
 
@@ -94,7 +95,7 @@ def bench_agreement(
         "--direct-chunk",
         str(direct_chunk),
         "--direct-interval-s",
-        str(direct_interval_s),
+        str(StepSchedulerConfig().agreement_interval_s if direct_interval_s is None else direct_interval_s),  # None: the library's default
     ]
     with launch(cmd, 2, env=rank_env(), failure_grace_s=5.0) as group:
         code, stalls, launcher = _wait_watched(group, timeout_s)

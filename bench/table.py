@@ -10,6 +10,7 @@ from typing import Any
 
 from bench.common import human_bytes
 from bench.report import STOP_LATENCY_TARGET_S
+from resilience.config import StepSchedulerConfig
 
 
 def _s(x: float | None) -> str:
@@ -174,8 +175,9 @@ def _direct_row(label: str, f: dict[str, Any], what: str) -> Row:
     if f.get("launcher_cpu_per_s") is not None:
         parts += f"; launcher reads {f['launcher_cpu_per_s']:.3%} of a core"
     ab = f" (A/B: {f['ab_value']:+.2%})" if f.get("ab_value") is not None else ""
+    interval = f"; rounds {f['agreement_interval_s']:g} s apart" if f.get("agreement_interval_s") else ""
     return (
-        f"{label}, timed directly: {f['calls']} calls x {f['calls_per_step']} per step (rank {f['rank']})",
+        f"{label}, timed directly: {f['calls']} calls x {f['calls_per_step']} per step (rank {f['rank']}{interval})",
         f"{(cost['mean'] - (f.get('baseline_s') or {}).get('mean', 0.0)) * 1e6:.1f} us per step ({parts})",
         f"median step {_s(step['median'])}",
         _x(f["value"], "{:+.3%}") + _ci(f, "{:+.3%}") + f"; with the calls' wall time {f['wall_figure']['value']:+.3%}" + ab,
@@ -211,7 +213,7 @@ def _agreement_rows(fig: dict[str, Any]) -> list[Row]:
     for name, label in (
         ("ours_k1", "stop agreement, ours k=1"),
         (f"ours_k{k}", f"stop agreement, ours k={k}"),
-        ("ours_auto", "stop agreement, ours k=auto (default, 0.1 s)"),
+        ("ours_auto", f"stop agreement, ours k=auto (default, {StepSchedulerConfig().agreement_interval_s:g} s)"),
         ("blocking", "blocking all-reduce every step"),
     ):
         if name not in over:

@@ -31,6 +31,7 @@ import torch
 from resilience.config.checks import ConfigError
 from resilience.distributed import DistContext
 from resilience.sharded_types import is_dtensor, loaded_class
+from resilience.torch_private import placement_classes
 
 KEY = "data_parallel"
 HOW = (
@@ -130,7 +131,7 @@ def sharded_rank_groups(model: torch.nn.Module | None) -> dict[tuple[int, ...], 
     for name, param in model.named_parameters():
         if not is_dtensor(param) or id(param) in managed:
             continue
-        Shard = _placements()[1]
+        Shard = placement_classes()[1]
         ranks, coordinate = param.device_mesh.mesh, param.device_mesh.get_coordinate()
         if coordinate is None:  # this rank is outside the parameter's mesh
             continue
@@ -179,7 +180,7 @@ def _own_replica(loader: Any, model: torch.nn.Module, ctx: DistContext, stated: 
 
 def _fsdp_placements(param: Any, world_size: int) -> bool:
     """FSDP2's own layout over every rank: ``Shard`` on a 1-D mesh, or HSDP's ``(Replicate, Shard)``."""
-    Replicate, Shard = _placements()
+    Replicate, Shard = placement_classes()
     placements = tuple(param.placements)
     if param.device_mesh.size() != world_size:
         return False
@@ -198,12 +199,3 @@ def _fsdp2_managed(model: torch.nn.Module) -> set[int]:
     if fsdp is None:
         return set()
     return {id(p) for module in model.modules() if isinstance(module, fsdp) for p in module.parameters()}
-
-
-def _placements() -> tuple[type, type]:
-    """DTensor's ``Replicate`` and ``Shard``, asked only of a ``DTensor`` (its package is loaded then)."""
-    try:
-        from torch.distributed.tensor import Replicate, Shard
-    except ImportError:  # torch < 2.5
-        from torch.distributed._tensor import Replicate, Shard
-    return Replicate, Shard

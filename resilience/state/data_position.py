@@ -41,6 +41,7 @@ from typing import Any, Protocol, TypeGuard
 import torch
 
 from resilience.state import tagged_json
+from resilience.torch_private import dataloader_sampler_iter
 
 log = logging.getLogger("resilience")
 
@@ -252,11 +253,10 @@ def epoch_iterator(loader: Iterable, position: dict[str, Any] | None) -> Iterato
         length = loader_length(loader)
         if length is not None and position["batches_in_epoch"] >= length:
             iterator = _replay_iter(loader, position)
-            indices = getattr(iterator, "_sampler_iter", None) if type(iterator).__module__ == "torch.utils.data.dataloader" else None
+            indices = dataloader_sampler_iter(iterator)
             if indices is not None:
-                # torch's own iterator (its private sampler iterator, torch 2.x): draw the epoch's
-                # indices (no data is loaded), as the uninterrupted run's did by its end, the
-                # sampler's last draw included; without that attribute, the path below
+                # torch's own iterator: draw the epoch's indices (no data is loaded), as the
+                # uninterrupted run's did by its end, the sampler's last draw included; else the path below
                 for _ in indices:
                     pass
                 return iter(())

@@ -30,16 +30,7 @@ import torch
 from resilience.checkpoint.balance import balance
 from resilience.checkpoint.formats.shard_rule import Rule, balance_replicas, rule_of, strided_shard
 from resilience.sharded_types import any_dtensor, is_dtensor
-
-
-def _local_shape_and_offset(t: Any) -> tuple[Any, Any]:
-    """torch's ``compute_local_shape_and_global_offset`` for a ``DTensor`` (imported at its first
-    use: a ``DTensor`` exists, so its package is loaded already)."""
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:  # torch < 2.5
-        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset  # type: ignore[import-not-found, no-redef]  # torch < 2.5 only
-    return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+from resilience.torch_private import local_shape_and_offset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +62,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def block_of(t: torch.Tensor) -> Block:
     """The block of ``t``'s global tensor this rank holds (see the module docstring)."""
     if is_dtensor(t):
-        shape, offsets = _local_shape_and_offset(t)
-        return Block(tuple(t.shape), tuple(offsets), tuple(shape), dtype_name(t.dtype))
+        shape, offsets = local_shape_and_offset(t)
+        return Block(tuple(t.shape), offsets, shape, dtype_name(t.dtype))
     return Block(tuple(t.shape), (0,) * t.dim(), tuple(t.shape), dtype_name(t.dtype))
 
 
