@@ -32,6 +32,22 @@ def no_launcher_environment(monkeypatch):
         monkeypatch.delenv(name)
 
 
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """One gloo rank in this process (a HashStore, no port), for a module whose DDP model or DTensor
+    needs a process group; none is made when one exists already."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def _unusable(reason: str):
     """A mount the machine cannot give: a failure in CI (which runs as root), else a skip."""
     if os.environ.get("CI") == "true":

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, apply_activation_checkpointing, checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel
 
@@ -93,17 +92,7 @@ WRAPPERS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    """DDP needs a process group: one gloo rank in this process, for this module only."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # DDP needs a process group (tests/conftest.py)
 
 
 def build(wrapper: str, cls: type = Net, steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -1,25 +1,10 @@
 """The torch internals behind resilience/torch_private.py, checked against the installed torch: a torch
 that moved one fails here rather than silently in a save's plan or a resume's data order."""
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from resilience.torch_private import TORCH_VERSION, dataloader_sampler_iter, local_shape_and_offset, placement_classes
-
-
-@pytest.fixture
-def one_rank_group():
-    """A DTensor needs a device mesh: one gloo rank in this process, for the test only."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_torch_version_is_the_installed_one():
