@@ -14,12 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from resilience.config import StepSchedulerConfig
+from bench.direct_cost import AUTO_INTERVAL_S
 
 if TYPE_CHECKING:
     from bench.ddp_worker import DigitsRun
-
-AUTO_INTERVAL_S = StepSchedulerConfig().agreement_interval_s  # the library's default
 
 
 def ab_phase(

@@ -20,7 +20,6 @@ from typing import Any
 
 from bench.common import REPO, median, remove
 from bench.stats import controlled_overhead, median_interval
-from resilience.config import StepSchedulerConfig
 from resilience.exit_codes import ExitCode
 from resilience.launch import launch
 
@@ -94,9 +93,9 @@ def bench_agreement(
         str(direct_calls),
         "--direct-chunk",
         str(direct_chunk),
-        "--direct-interval-s",
-        str(StepSchedulerConfig().agreement_interval_s if direct_interval_s is None else direct_interval_s),  # None: the library's default
     ]
+    if direct_interval_s is not None:  # else the worker's default: the library's
+        cmd += ["--direct-interval-s", str(direct_interval_s)]
     with launch(cmd, 2, env=rank_env(), failure_grace_s=5.0) as group:
         code, stalls, launcher = _wait_watched(group, timeout_s)
     if code != 0 or not out.exists():

@@ -48,12 +48,11 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from bench.common import example_module
-from resilience.config import StepSchedulerConfig
+from bench.direct_cost import AUTO_INTERVAL_S
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 REPO = Path(__file__).resolve().parents[1]
-AUTO_INTERVAL_S = StepSchedulerConfig().agreement_interval_s  # the library's default
 EXAMPLE = REPO / "examples" / "digits"
 
 

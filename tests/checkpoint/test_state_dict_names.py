@@ -29,6 +29,7 @@ from resilience.distributed import DistContext
 from resilience.state.step_scheduler import StepScheduler
 
 DCP = importlib.import_module("torch.distributed.checkpoint.state_dict")
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # DDP needs a process group (tests/conftest.py)
 
 
 class Block(torch.nn.Module):
@@ -90,9 +91,6 @@ WRAPPERS = {
     "compiled_ddp": lambda m: _compiled(DistributedDataParallel(m)),
     "compiled_checkpointed": lambda m: _compiled(_checkpointed(m)),
 }
-
-
-pytestmark = pytest.mark.usefixtures("one_rank_group")  # DDP needs a process group (tests/conftest.py)
 
 
 def build(wrapper: str, cls: type = Net, steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
