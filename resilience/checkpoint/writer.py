@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, RANK_MANIFEST_BLOCK, STAGING_PREFIX, TRASH_PREFIX
 from resilience.checkpoint.policy.lineage import describe, is_checkpoint_named, set_aside
 from resilience.checkpoint.policy.lowest_val import LOWEST_VAL
-from resilience.checkpoint.storage.durable import FileRecord, directories_of, fsync_dir, fsync_file, record
+from resilience.checkpoint.storage.durable import FileRecord, directories_of, fsync_dir, fsync_file, fsyncs_deferred, record
 from resilience.checkpoint.storage.manifest import write_manifest, write_rank_manifest
 from resilience.checkpoint.storage.object_path import Location
 from resilience.checkpoint.storage.pointers import PointerError, read_pointer, write_pointer
@@ -267,9 +267,24 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
     """Run ``parts`` in order: (records of the files the manifest lists, of the own files, first
     error or None); after an error, the rest run only when not ``stop_at_error`` (a collective
     part must run on every rank even after a local failure: a rank that skipped it would leave
-    its peers waiting in DCP's collective forever)."""
+    its peers waiting in DCP's collective forever).
+
+    The files the parts write are fsync'd together once the last part has run
+    (:func:`~resilience.checkpoint.storage.durable.fsyncs_deferred`), not one by one; a failed fsync
+    is this thread's error like a failed write."""
     records: list[FileRecord] = []
     own: list[FileRecord] = []
+    error = None
+    try:
+        with fsyncs_deferred():
+            error = _run_each(staging, parts, records, own, stop_at_error=stop_at_error)
+    except save_failures() as exc:  # noqa: BLE001 - a failed fsync reaches every rank like a failed write
+        error = error or f"fsync of the parts' files: {describe_failure(exc)}"
+    return records, own, error
+
+
+def _run_each(staging: Path, parts: list[Part], records: list[FileRecord], own: list[FileRecord], *, stop_at_error: bool) -> str | None:
+    """:func:`_run_parts`' loop: each part's records appended to ``records`` or ``own``; the first error."""
     error = None
     for part in parts:
         if error is not None and stop_at_error:
@@ -290,7 +305,7 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
                     into.append(record(staging, written))
         except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
             error = error or f"{part.name}: {describe_failure(exc)}"
-    return records, own, error
+    return error
 
 
 def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = None) -> None:

@@ -314,6 +314,29 @@ def test_failed_save_at_any_phase_leaves_latest_on_the_previous_valid_checkpoint
     assert latest_name(root) == "epoch_0_step_6"
 
 
+def test_a_save_whose_parts_fail_their_deferred_fsync_leaves_latest_on_the_previous_checkpoint(root, monkeypatch):
+    from resilience.checkpoint.storage import durable
+
+    ck = save_steps(root, 2)
+    real = durable._fsync_and_close
+
+    def full_disk(fds, *, fsync):  # the batch's fsync at the end of the parts fails, as on a full disk
+        if fsync and fds:
+            real(fds, fsync=False)
+            raise OSError(28, "No space left on device")
+        real(fds, fsync=fsync)
+
+    monkeypatch.setattr(durable, "_fsync_and_close", full_disk)
+    with pytest.raises(CheckpointSaveError, match="epoch_0_step_4.*fsync of the parts' files.*No space left"):
+        save_at(ck, 4)
+    monkeypatch.setattr(durable, "_fsync_and_close", real)
+    assert latest_name(root) == "epoch_0_step_2"
+    validate(root / "epoch_0_step_2")
+    assert not (root / "epoch_0_step_4").exists() and not list(root.glob(".staging_*"))
+    save_at(ck, 6)
+    assert latest_name(root) == "epoch_0_step_6"
+
+
 def test_resave_of_same_step_whose_rename_fails_keeps_the_previous_save(root, no_fault_hook):
     ck = save_steps(root, 4)
     old_weights = (root / "epoch_0_step_4" / model_file()).read_bytes()

@@ -103,3 +103,66 @@ def test_safetensors_reader_refuses_malformed_files(tmp_path):
     (tmp_path / "junk").write_bytes(b"\xff" * 16)
     with pytest.raises(ValueError, match="not a safetensors file"):
         read_safetensors(tmp_path / "junk")
+
+
+def test_fsyncs_deferred_to_the_block_end_on_this_thread_only(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    from resilience.checkpoint.storage import durable
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting(fd):
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(durable.os, "fsync", counting)
+    with durable.fsyncs_deferred():
+        for name in ("a.bin", "b.bin"):
+            with DurableFile(tmp_path / name) as fh:
+                fh.write(name.encode() * 100)
+        assert synced == []  # closed, not yet fsync'd
+        other = threading.Thread(target=lambda: durable.write_bytes(tmp_path / "c.bin", b"c"))
+        other.start()
+        other.join()
+        assert len(synced) == 1  # another thread's file is fsync'd at its close, as before
+    assert len(synced) == 3  # both of the block's files, at its end
+    assert (tmp_path / "a.bin").read_bytes() == b"a.bin" * 100 and (tmp_path / "b.bin").read_bytes() == b"b.bin" * 100
+    assert fh.record("b.bin").digest == file_digest(tmp_path / "b.bin")
+    durable.write_bytes(tmp_path / "d.bin", b"d")
+    assert len(synced) == 4  # outside a block: at the close again
+
+
+def test_a_failed_deferred_fsync_raises_after_closing_every_descriptor(tmp_path, monkeypatch):
+    import os
+
+    from resilience.checkpoint.storage import durable
+
+    fds: list[int] = []
+
+    def failing(fd):
+        fds.append(fd)
+        raise OSError(5, "EIO from the disk")
+
+    monkeypatch.setattr(durable.os, "fsync", failing)
+    with pytest.raises(OSError, match="EIO"):
+        with durable.fsyncs_deferred():
+            for name in ("a.bin", "b.bin"):
+                with DurableFile(tmp_path / name) as fh:
+                    fh.write(b"x")
+    assert len(fds) == 1  # the first failure ends the fsyncs; the rest are only closed
+    with pytest.raises(OSError):
+        os.fstat(fds[0])  # closed
+
+
+def test_a_deferred_batch_holds_at_most_max_deferred_descriptors(tmp_path, monkeypatch):
+    from resilience.checkpoint.storage import durable
+
+    monkeypatch.setattr(durable, "MAX_DEFERRED", 2)
+    with durable.fsyncs_deferred():
+        for i in range(5):
+            durable.write_bytes(tmp_path / f"{i}.bin", b"x")
+        assert len(durable._DEFERRED.get() or []) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{i}.bin" for i in range(5)]

@@ -12,11 +12,13 @@ written with sha256 entries (format 1 before this change) still validate.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import io
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,6 +43,10 @@ class Digest(Protocol):
 
 _ALGORITHMS: dict[str, Callable[[], Digest]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _CHUNK = 8 << 20  # 8 MiB reads: large enough to run at disk speed, small enough to stay cheap
+# This thread's open batch of fsyncs (fsyncs_deferred); a ContextVar, so other threads (a
+# pointer's write, a library's pool) are never deferred by it.
+_DEFERRED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("resilience_deferred_fsyncs", default=None)
+MAX_DEFERRED = 64  # open descriptors one batch may hold; past it the oldest is fsync'd at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +66,48 @@ class FileRecord:
     def manifest_entry(self) -> dict[str, Any]:
         """``{"size": ..., "<algorithm>": "<hex>"}`` as the manifest stores it."""
         return {"size": self.size, self.algorithm: self.digest}
+
+
+@contextlib.contextmanager
+def fsyncs_deferred() -> Iterator[None]:
+    """Within the block, on this thread, :meth:`DurableFile.close` keeps the file's descriptor
+    and leaves its fsync to the block's end, where every file is fsync'd in the order it was
+    closed; leaving the block, every one of them is durable (or the block raised).
+
+    Why: an fsync waits for the disk, and on ext4 (``data=ordered``) it also commits the journal,
+    which may wait for other files' data allocated in the same transaction (another rank's). A
+    rank that fsyncs each file in turn waits once per file, copying nothing in meanwhile. In the
+    FSDP2 bench's setting (2 ranks, 0.5 GiB then 1 GiB each, 6 rounds) writing the two files with
+    an fsync after each ran at 0.54 of one write + one fsync of the same bytes; writing both and
+    then fsyncing both ran at 0.97.
+
+    Raises ``OSError`` from the first fsync that fails, after closing every descriptor; if the
+    block itself raised, the descriptors are closed without their fsyncs.
+    """
+    batch: list[int] = []
+    token = _DEFERRED.set(batch)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        _DEFERRED.reset(token)
+        _fsync_and_close(batch, fsync=ok)
+
+
+def _fsync_and_close(fds: list[int], *, fsync: bool) -> None:
+    error: OSError | None = None
+    for fd in fds:
+        try:
+            if fsync and error is None:
+                os.fsync(fd)
+        except OSError as exc:
+            error = exc
+        finally:
+            os.close(fd)
+    fds.clear()
+    if error is not None:
+        raise error
 
 
 def fsync_dir(path: Path) -> None:
@@ -196,8 +244,17 @@ class DurableFile(io.RawIOBase):
         return len(view)
 
     def close(self) -> None:
-        """fsync and close (once). An fsync error is raised after the descriptor is closed."""
+        """fsync and close (once). An fsync error is raised after the descriptor is closed.
+        Inside :func:`fsyncs_deferred` the descriptor is handed to the batch instead, which
+        fsyncs and closes it at the block's end."""
         if self.closed:
+            return
+        batch = _DEFERRED.get()
+        if batch is not None:
+            super().close()
+            batch.append(self._fd)
+            if len(batch) > MAX_DEFERRED:  # bounded: never more than MAX_DEFERRED descriptors held
+                _fsync_and_close([batch.pop(0)], fsync=True)
             return
         try:
             os.fsync(self._fd)
