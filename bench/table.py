@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from bench.common import human_bytes
+from bench.direct_cost import AUTO_INTERVAL_S
 from bench.report import STOP_LATENCY_TARGET_S
-from resilience.config import StepSchedulerConfig
 
 
 def _s(x: float | None) -> str:
@@ -213,7 +213,7 @@ def _agreement_rows(fig: dict[str, Any]) -> list[Row]:
     for name, label in (
         ("ours_k1", "stop agreement, ours k=1"),
         (f"ours_k{k}", f"stop agreement, ours k={k}"),
-        ("ours_auto", f"stop agreement, ours k=auto (default, {StepSchedulerConfig().agreement_interval_s:g} s)"),
+        ("ours_auto", f"stop agreement, ours k=auto (default, {AUTO_INTERVAL_S:g} s)"),
         ("blocking", "blocking all-reduce every step"),
     ):
         if name not in over:

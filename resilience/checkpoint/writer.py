@@ -277,14 +277,16 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
     error = None
     try:
         with fsyncs_deferred():
-            error = _run_each(staging, parts, records, own, stop_at_error=stop_at_error)
+            records, own, error = _run_each(staging, parts, stop_at_error=stop_at_error)
     except save_failures() as exc:  # noqa: BLE001 - a failed fsync reaches every rank like a failed write
         error = error or f"fsync of the parts' files: {describe_failure(exc)}"
     return records, own, error
 
 
-def _run_each(staging: Path, parts: list[Part], records: list[FileRecord], own: list[FileRecord], *, stop_at_error: bool) -> str | None:
-    """:func:`_run_parts`' loop: each part's records appended to ``records`` or ``own``; the first error."""
+def _run_each(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tuple[list[FileRecord], list[FileRecord], str | None]:
+    """:func:`_run_parts`' loop, inside its batch of fsyncs: the same triple."""
+    records: list[FileRecord] = []
+    own: list[FileRecord] = []
     error = None
     for part in parts:
         if error is not None and stop_at_error:
@@ -298,14 +300,14 @@ def _run_each(staging: Path, parts: list[Part], records: list[FileRecord], own: 
                 error = error or f"{part.name}: {describe_failure(exc)}"
             into = own if part.own else records
             for written in part.write(staging, *part.args, **part.kwargs):
-                if isinstance(written, FileRecord):  # digested while written, and fsync'd
+                if isinstance(written, FileRecord):  # digested while written; fsync'd at the batch's end
                     into.append(written)
                 else:  # written by a library that hides its bytes: fsync, then read back
                     fsync_file(staging / written)
                     into.append(record(staging, written))
         except save_failures() as exc:  # noqa: BLE001 - any failure must reach every rank
             error = error or f"{part.name}: {describe_failure(exc)}"
-    return error
+    return records, own, error
 
 
 def _rename_into_place(root: Path, staging: Path, final: Path, *, parent: Any = None) -> None:
