@@ -222,8 +222,14 @@ def scenario_ref_short(c: Campaign) -> Path:
 
 
 def _start_epoch(info: dict) -> float:
-    """StartTime of ``scontrol show job`` (local time, 1 s resolution) as a Unix time."""
-    return time.mktime(time.strptime(info["StartTime"], "%Y-%m-%dT%H:%M:%S"))
+    """StartTime of ``scontrol show job`` (local time, 1 s resolution) as a Unix time.
+
+    Raises AssertionError naming the job's record when it has none (``Unknown``: the job is
+    pending again, e.g. requeued after its ranks were killed)."""
+    try:
+        return time.mktime(time.strptime(info.get("StartTime", ""), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        raise AssertionError(f"the job has no StartTime; is it still running? {info}") from None
 
 
 PROBE_TRIES = 3
@@ -324,7 +330,9 @@ def scenario_timelimit(c: Campaign) -> Job:
     them (SIGSTOP: no CPU spent waiting), 2 s before a check cuts the time limit so the warning
     is due, and continues them once the warning is in: it arrives mid-training, and the ranks
     take it at their next step. Then the limit goes back to 10 min, so the requeued job runs to
-    the end.
+    the end. The pause can outlast the watchdog's default step limit (60 s: a probe submitted
+    again alone adds 75 s), and the watchdog rightly takes stopped ranks for hung ones (in CI it
+    killed them and the job went back to pending), so this job's limit is 600 s.
     """
     lead_s = 100
     job = c.submit1(
@@ -332,6 +340,7 @@ def scenario_timelimit(c: Campaign) -> Job:
         f"step_scheduler.num_epochs={E_SHORT}",
         "slurm.time='10'",
         f"slurm.signal_lead_s={lead_s}",
+        "slurm.progress_timeout=600",
         python=Path(sys.executable),
     )
     job.wait_log(r"^resilience: trap installed", 60)
