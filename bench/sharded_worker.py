@@ -5,7 +5,8 @@ The model-like state of ``bench.common.build_state`` is sharded with FSDP2 over 
 rank holds about 1/N of it. Every method is timed from a barrier before to a barrier after, so a
 time covers every rank's work; the methods' order rotates from round to round.
 
-``--mode save`` (N ranks): rounds of the save, then rounds of the load on the same N ranks.
+``--mode save`` (N ranks): ``--save-repeat`` rounds of the save, then ``--repeat`` rounds of the load
+on the same N ranks.
 
 * save ``disk``: each rank ``os.write``s the bytes of its local shards into its own file and
   fsyncs it (the disk's aggregate write rate for this state);
@@ -51,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--size", type=int, required=True, help="fp32 model bytes (the whole model, before sharding)")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--save-repeat", type=int, default=None, help="rounds of the saves (default: --repeat)")
     parser.add_argument("--mode", choices=("save", "reshard"), default="save")
     parser.add_argument("--model-save-format", choices=("safetensors", "torch_save"), default="safetensors")
     args = parser.parse_args(argv)
+    if args.save_repeat is None:
+        args.save_repeat = args.repeat
 
     import torch
     import torch.distributed as dist
@@ -192,7 +196,7 @@ class _Bench:
         # Untimed, as bench/storage.py does: the first big write of a process runs much slower here
         self.timed(functools.partial(runs["disk"], 0), self.local_bytes)
         self.cold()
-        for rnd in range(self.args.repeat):
+        for rnd in range(self.args.save_repeat):
             for method in rotate(list(runs), rnd):
                 if method == "disk" or self.rank == 0:  # the shared directories are removed once
                     remove(targets[method])
@@ -205,9 +209,9 @@ class _Bench:
         if self.rank == 0:
             (self.work / REFERENCE).write_text(json.dumps(reference))
         load = self.load_rounds(mine=reference)
-        save_phases = timed_phases(SAVE, lambda: self.checkpointer(self.args.repeat + 1).save())
+        save_phases = timed_phases(SAVE, lambda: self.checkpointer(self.args.save_repeat + 1).save())
         self.cold()
-        load_phases = timed_phases(LOAD, lambda: self.load_ours(self.args.repeat + 1))
+        load_phases = timed_phases(LOAD, lambda: self.load_ours(self.args.save_repeat + 1))
         self.check_local("the phase-timed load")
         return {
             "world_size": self.world,
@@ -256,7 +260,7 @@ class _Bench:
         elastic = {"world_size_change": "elastic"} if reference is not None else {}
         runs = {
             "disk": self.read_disk,
-            "ours": lambda: self.load_ours(self.args.repeat + 1, **elastic),
+            "ours": lambda: self.load_ours(self.args.save_repeat + 1, **elastic),
             "dcp": lambda: load_dcp(self.work / "dcp", self.model, self.optimizer),
         }
         times: dict[str, list[float]] = {name: [] for name in runs}
@@ -314,7 +318,7 @@ class _Bench:
         reference = json.loads((self.work / REFERENCE).read_text())
         load = self.load_rounds(reference=reference)
         self.cold()
-        phases = timed_phases(LOAD, lambda: self.load_ours(self.args.repeat + 1, world_size_change="elastic"))
+        phases = timed_phases(LOAD, lambda: self.load_ours(self.args.save_repeat + 1, world_size_change="elastic"))
         self.check_loaded(reference)
         return {"load": load, "state_bytes_per_rank": self.sizes, "phases": {"load": self.all_gather(phases)}}
 

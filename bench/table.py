@@ -369,7 +369,7 @@ def _sharded_rows(fig: dict[str, Any]) -> list[Row]:
         *_disk_and_dcp_rows(
             (
                 f,
-                f"sync save, FSDP2 {n} ranks ({f['model_save_format']}), {human_bytes(state)} state, each rank its 1/{n}",
+                f"sync save, FSDP2 {n} ranks ({f['model_save_format']}), {human_bytes(state)} state, each rank its 1/{n}; {len(f['rounds'])} rounds",
                 "disk write+fsync, every rank its shards",
             ),
             (g, f"sharded save vs DCP save ({n} ranks)", "DCP save", g["target"], _verdict(g["pass"])),

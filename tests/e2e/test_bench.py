@@ -299,6 +299,13 @@ def test_load_only_pass_beside_a_busy_process_adds_loaded_keys_and_keeps_the_qui
     assert neighbour["cpu_s"] > 0 and neighbour["wall_s"] > 0  # the busy process really ran
 
 
+def test_the_sharded_save_runs_an_odd_number_of_rounds_above_the_rest_except_in_a_quick_run():
+    from bench.sharded_save import save_rounds
+
+    assert save_rounds(1) == 1  # --quick: one round of everything
+    assert [save_rounds(r) for r in (2, 5)] == [5, 11]  # odd: the median is one round's ratio
+
+
 def test_fast_balance_gives_the_same_owners_as_the_library_balance():
     import random
 
