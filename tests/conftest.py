@@ -32,6 +32,19 @@ def no_launcher_environment(monkeypatch):
         monkeypatch.delenv(name)
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler (``signal.default_int_handler``) installed for the test, the previous
+    disposition restored after. Python installs it at start only where SIGINT is not ignored; a test
+    run started as a background job of a non-interactive shell (``nohup make test &``) inherits
+    SIG_IGN, and the tests of what a hold or a recorder does to that handler need it there."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def one_rank_group():
     """One gloo rank in this process (a HashStore, no port), for a module whose DDP model or DTensor

@@ -30,6 +30,7 @@ HELPER = Path(__file__).resolve().parents[1] / "helpers" / "phase_train.py"
 CTRL_C = b"\x03"
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_first_sigint_is_held_to_the_end_of_the_block_and_a_second_raises_at_once():
     ran = []
     with pytest.raises(KeyboardInterrupt):
@@ -52,6 +53,7 @@ def test_a_first_sigint_is_held_to_the_end_of_the_block_and_a_second_raises_at_o
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_hold_changes_nothing_but_python_s_default_sigint_handler_in_the_main_thread():
     calls = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
@@ -70,6 +72,15 @@ def test_a_hold_changes_nothing_but_python_s_default_sigint_handler_in_the_main_
     worker.start()
     worker.join()
     assert seen == [False], "signal.signal works only in the main thread: a hold elsewhere installs nothing"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # started with SIGINT ignored (nohup, a background job): it stays ignored
+    try:
+        with HeldInterrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 @pytest.mark.timeout(60)

@@ -153,6 +153,7 @@ def test_previous_python_handler_still_runs():
         signal.signal(S.SIGUSR1, old)
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_recorded_sigint_is_a_stop_request_not_a_keyboard_interrupt():
     """``preemption_signal: INT``: Python's default SIGINT handler raises; recording replaces it as it replaces SIG_DFL."""
     assert signal.getsignal(S.SIGINT) is signal.default_int_handler
