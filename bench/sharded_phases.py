@@ -4,7 +4,8 @@ The library has no timing hooks of its own (``writer.phase`` is a fault-test hoo
 functions of each phase are wrapped for one extra save and one extra load, and the seconds spent
 in each (inclusive, summed over calls, on whichever thread ran them) are printed per rank. The
 digests are timed by wrapping the hash objects :class:`~resilience.checkpoint.storage.durable.DurableFile`
-creates; the writes are ``DurableFile.write`` less those digests; the fsyncs are ``DurableFile.close``.
+creates; the writes are ``DurableFile.write`` less those digests; the parts' fsyncs come together
+once the last part is written (``durable.fsyncs_deferred``), timed in ``durable._fsync_and_close``.
 A phase nested in another is indented under it; the save's model and optimizer parts run one
 after the other on the parts' writer thread, the collectives on the training thread.
 """
@@ -72,9 +73,10 @@ def _targets(which: str) -> list[tuple[Any, str, str]]:
             (model_io, "save_model", "    model: save_model"),
             (optim_io, "save_optimizer", "    optimizer: save_optimizer"),
             (shard_files, "_cpu_contiguous", "      copies: to the CPU / contiguous"),
-            (shard_files, "write_safetensors", "      write_safetensors (header, writes, digests, fsync)"),
+            (shard_files, "write_safetensors", "      write_safetensors (header, writes, digests)"),
             (durable.DurableFile, "write", "        DurableFile.write (digest + os.write)"),
-            (durable.DurableFile, "close", "        fsync (DurableFile.close)"),
+            (durable.DurableFile, "close", "        DurableFile.close (fsync unless deferred)"),
+            (durable, "_fsync_and_close", "    fsync (the parts' files, together after the last part)"),
             (writer, "write_rank_manifest", "  rank manifest"),
             (writer, "fsync_dir", "  fsync_dir (directories)"),
             (checkpointer, "publish", "publish (rank 0: manifest, rename, LATEST)"),

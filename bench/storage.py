@@ -315,7 +315,7 @@ def breakdown(work: Path, model, optimizer) -> dict[str, Any]:
     fresh allocations and copies into the live objects, ..."""
     from resilience.checkpoint import parts, reader, writer
     from resilience.checkpoint.formats import model_io, optim_io
-    from resilience.checkpoint.storage import content_check
+    from resilience.checkpoint.storage import content_check, durable
 
     optim_files = getattr(optim_io, "optim_files", None)
 
@@ -336,9 +336,10 @@ def breakdown(work: Path, model, optimizer) -> dict[str, Any]:
             _wrap(parts, "get_model_state_dict", "capture: get_model_state_dict", totals),
             _wrap(optim_io, "capture_optimizer", "capture: capture_optimizer", totals),
             _wrap(model_io, "save_model", "model weights: save_model (worker thread, beside the optimizer)", totals),
-            _wrap(model_io, "write_safetensors", "  shards written, digested and fsync'd in one pass", totals),
-            _wrap(optim_io, "save_optimizer", "optimizer: save_optimizer (own files, or DCP for sharded state; digested and fsync'd)", totals),
-            _wrap(optim_files, "save", "  optimizer's own file written, digested and fsync'd in one pass", totals) if optim_files else (lambda: None),
+            _wrap(model_io, "write_safetensors", "  shards written and digested in one pass", totals),
+            _wrap(optim_io, "save_optimizer", "optimizer: save_optimizer (own files, or DCP for sharded state; digested)", totals),
+            _wrap(optim_files, "save", "  optimizer's own file written and digested in one pass", totals) if optim_files else (lambda: None),
+            _wrap(durable, "_fsync_and_close", "the parts' files fsync'd together after the last part (durable.fsyncs_deferred)", totals),
             _wrap(writer, "fsync_file", "fsync_file of files written by libraries", totals),
             _wrap(writer, "record", "record: read back + digest of files written by libraries", totals),
             _wrap(writer, "write_manifest", "manifest write", totals),
