@@ -320,8 +320,11 @@ def test_fast_balance_gives_the_same_owners_as_the_library_balance():
 
 @pytest.mark.timeout(400)
 def test_quick_scale_bench_writes_every_figure_per_mode_and_rank_count_with_consistent_bytes(tmp_path):
+    from bench.scale.__main__ import QUICK_RANKS
     from bench.scale.figures import KEYS
     from bench.scale.llama import state_bytes
+
+    small, large = (str(n) for n in QUICK_RANKS)
 
     out = tmp_path / "scale.json"
     proc = subprocess.run(
@@ -332,9 +335,9 @@ def test_quick_scale_bench_writes_every_figure_per_mode_and_rank_count_with_cons
         timeout=390,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
-    assert any(line.startswith("| fsdp2 | 64 |") for line in proc.stdout.splitlines()), proc.stdout
+    assert any(line.startswith(f"| fsdp2 | {large} |") for line in proc.stdout.splitlines()), proc.stdout
     doc = json.loads(out.read_text())
-    assert set(doc) == {"ddp", "fsdp2"} and all(set(cells) == {"8", "64"} for cells in doc.values())
+    assert set(doc) == {"ddp", "fsdp2"} and all(set(cells) == {small, large} for cells in doc.values())
     total = sum(state_bytes().values())  # 27 GB of weights + 54 GB of moments
     for mode, cells in doc.items():
         for n, fig in cells.items():
@@ -348,17 +351,18 @@ def test_quick_scale_bench_writes_every_figure_per_mode_and_rank_count_with_cons
                 assert fig["replicated_bytes"] <= fig["resume_read_bytes_per_rank"]
             else:  # loaded balanced: 1/N of the replicated bytes from storage, the rest broadcast
                 assert fig["resume_read_bytes_per_rank"] <= 1.1 * fig["replicated_bytes"] / n + fig["own_file_bytes"], (where, fig)
-            assert fig["index_bytes_per_rank"] < fig["resume_read_bytes_per_rank"]  # at 8 and 64 ranks the data outweighs the indexes
+            assert fig["index_bytes_per_rank"] < fig["resume_read_bytes_per_rank"]  # at the quick run's N the data outweighs the indexes
             assert fig["rank0_meta_ops"] == fig["rank0_critical_meta_ops"] + fig["rank0_background_meta_ops"]
             assert fig["rank0_choose_meta_ops"] <= fig["files"] / n + 30  # rank 0 stats its 1/N of the files, not all
             assert fig["files"] >= n  # a rank state file (RNG, data position) of every rank at least
     for mode, cells in doc.items():  # rank 0's deletion is spread over the ranks: it does not grow with N
-        assert cells["64"]["rank0_critical_meta_ops"] == cells["8"]["rank0_critical_meta_ops"], mode
-        assert cells["64"]["rank0_meta_ops"] < cells["64"]["files"], mode
+        assert cells[large]["rank0_critical_meta_ops"] == cells[small]["rank0_critical_meta_ops"], mode
+        assert cells[large]["rank0_meta_ops"] < cells[large]["files"], mode
     # DDP: every rank loads every model and optimizer byte, 1/N of them from storage; FSDP2: about its share
-    assert doc["ddp"]["64"]["replicated_bytes"] > 0.95 * total
-    assert doc["ddp"]["64"]["resume_read_bytes_per_rank"] < 1.1 * total / 64
-    assert doc["fsdp2"]["64"]["resume_read_bytes_per_rank"] < 4 * total / 64
+    n = int(large)
+    assert doc["ddp"][large]["replicated_bytes"] > 0.95 * total
+    assert doc["ddp"][large]["resume_read_bytes_per_rank"] < 1.1 * total / n
+    assert doc["fsdp2"][large]["resume_read_bytes_per_rank"] < 4 * total / n
 
 
 @pytest.mark.multiproc
