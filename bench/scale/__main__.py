@@ -32,8 +32,9 @@ from bench.scale.llama import MODES
 
 FULL_RANKS = (8, 64, 512, 1024, 8192)
 # Not N = 8: its FSDP2 resume materialises each simulated rank's live shards, 1/8 of 81 GB, and
-# faulting those pages in was 44 s of system time in a 48 s run of that cell alone. Not 128: a DDP rank's own files there are lumpier than 1/N
-# allows (the 0.5 GB embedding and its moments land whole on one rank).
+# faulting those pages in was 44 s of system time in a 48 s run of that cell alone. Not 128: a
+# DDP rank's own files there are lumpier than 1/N allows (the 0.5 GB embedding and its moments
+# land whole on one rank).
 QUICK_RANKS = (16, 64)
 
 
