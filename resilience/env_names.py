@@ -14,6 +14,7 @@ Ours (set by the launcher or the batch templates, read by the ranks):
 ``RESTART_COUNT_ENV``     how many times ``resilience run`` restarted the ranks in this job (``0`` first)
 ``COLLECTIVE_TIMEOUT_ENV``  seconds that bound each collective on the library's own gloo groups
 ``RANK_MANIFEST_BLOCK_ENV``  ranks per rank manifest file (default 64; tests set 2 to get several blocks)
+``DIRECT_IO_ENV``         ``0``: write large checkpoint files buffered instead of with ``O_DIRECT``
 ========================  ==========================================================================
 
 ``SLURM``: what :class:`resilience.slurm.job.SlurmJob` reads, each field's variables in order (the
@@ -37,6 +38,9 @@ COLLECTIVE_TIMEOUT_ENV = "RESILIENCE_COLLECTIVE_TIMEOUT_S"
 """Seconds bounding each collective on the library's own groups (the launcher derives it from its progress timeout)."""
 RANK_MANIFEST_BLOCK_ENV = "RESILIENCE_RANK_MANIFEST_BLOCK"
 """Ranks per rank manifest file at a save (default ``layout.RANK_MANIFEST_BLOCK``); the manifest records it."""
+DIRECT_IO_ENV = "RESILIENCE_DIRECT_IO"
+"""``1`` (default) or ``0``: whether a local save writes its large tensor files with ``O_DIRECT``
+(:mod:`resilience.checkpoint.storage.direct_file`)."""
 
 SLURM = {
     "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),

@@ -31,6 +31,7 @@ from resilience.checkpoint.policy.savable import check_savable
 from resilience.checkpoint.policy.world_size import world_size_problem
 from resilience.checkpoint.resume import Resuming
 from resilience.checkpoint.staging import StagingBuffers
+from resilience.checkpoint.storage.direct_file import direct_io_enabled
 from resilience.checkpoint.storage.object_path import Location, ObjectPath, is_object, root_location
 from resilience.checkpoint.storage.object_store import StoreUnavailable
 from resilience.checkpoint.writer import describe_failure, phase, publish, raise_publish_verdict, save_failures, write_checkpoint
@@ -104,6 +105,10 @@ class Checkpointer(Resuming):
             raise ConfigError(f"checkpoint.checkpoint_dir={config.checkpoint_dir!r}: {exc}") from None
         self.local = local_root(config.local_dir, self.root) if is_object(self.root) else None
         """On object storage: the local directory of each rank's staging and downloads (``checkpoint.local_dir``)."""
+        try:
+            direct_io_enabled()  # a bad RESILIENCE_DIRECT_IO: refused here, not at the first save
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.run_config = run_config or {}
         self.run_id = run_id
         """This run's id (``save_max`` tells this run's checkpoints by it); see :meth:`_run_id`."""

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from resilience.checkpoint.layout import BAD_MARKER, LATEST, RANK_MANIFEST_BLOCK, STAGING_PREFIX, TRASH_PREFIX
 from resilience.checkpoint.policy.lineage import describe, is_checkpoint_named, set_aside
 from resilience.checkpoint.policy.lowest_val import LOWEST_VAL
+from resilience.checkpoint.storage.direct_file import direct_writes
 from resilience.checkpoint.storage.durable import FileRecord, directories_of, fsync_dir, fsync_file, fsyncs_deferred, record
 from resilience.checkpoint.storage.manifest import write_manifest, write_rank_manifest
 from resilience.checkpoint.storage.object_path import Location
@@ -154,7 +155,7 @@ def write_checkpoint(ctx: DistContext, root: Location, name: str, parts: list[Pa
     ctx.gather_or_raise(error, fail=_failed(name, "creating the staging directory"))
 
     # 2. every rank writes its parts, fsyncs and digests them
-    listed, own, error = _write_parts(staging, [p for p in parts if not p.after_peers])
+    listed, own, error = _write_parts(staging, [p for p in parts if not p.after_peers], direct=sink is None)
     try:
         ctx.gather_or_raise(error, fail=_failed(name, "writing files"))
         # 3. own files to the block's first rank (a rank manifest), the rest to rank 0; then the parts that read them all
@@ -240,9 +241,11 @@ def raise_publish_verdict(ctx: DistContext, name: str, error: str | None, victim
     return ctx.verdict_from_root(error, victims or None, fail=_failed(name, "publishing")) or []
 
 
-def _write_parts(staging: Path, parts: list[Part]) -> tuple[list[FileRecord], list[FileRecord], str | None]:
+def _write_parts(staging: Path, parts: list[Part], *, direct: bool) -> tuple[list[FileRecord], list[FileRecord], str | None]:
     """Run ``parts`` into ``staging``: (records of the files the manifest lists, of this rank's own
-    files, first error or None).
+    files, first error or None). ``direct``: large tensor files may be written with ``O_DIRECT``
+    (a local save; a save staged for object storage reads them back to upload them, from the
+    page cache).
 
     Local parts run on a worker thread beside the collective ones (DCP), which stay on this
     thread in their order: DCP serialises on one core at ~1 GB/s here, slower than the disk, so
@@ -250,20 +253,20 @@ def _write_parts(staging: Path, parts: list[Part]) -> tuple[list[FileRecord], li
     """
     local: dict[str, Any] = {}
     worker = threading.Thread(
-        target=lambda: local.update(result=_run_parts(staging, [p for p in parts if not p.collective], stop_at_error=True)),
+        target=lambda: local.update(result=_run_parts(staging, [p for p in parts if not p.collective], stop_at_error=True, direct=direct)),
         name="resilience-save-parts",
         daemon=True,
     )
     worker.start()
     try:
-        records, own, error = _run_parts(staging, [p for p in parts if p.collective], stop_at_error=False)
+        records, own, error = _run_parts(staging, [p for p in parts if p.collective], stop_at_error=False, direct=direct)
     finally:
         worker.join()
     local_records, local_own, local_error = local.get("result", ([], [], "the parts' writer thread died"))
     return records + local_records, own + local_own, local_error or error
 
 
-def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tuple[list[FileRecord], list[FileRecord], str | None]:
+def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool, direct: bool = False) -> tuple[list[FileRecord], list[FileRecord], str | None]:
     """Run ``parts`` in order: (records of the files the manifest lists, of the own files, first
     error or None); after an error, the rest run only when not ``stop_at_error`` (a collective
     part must run on every rank even after a local failure: a rank that skipped it would leave
@@ -271,12 +274,12 @@ def _run_parts(staging: Path, parts: list[Part], *, stop_at_error: bool) -> tupl
 
     The files the parts write are fsync'd together once the last part has run
     (:func:`~resilience.checkpoint.storage.durable.fsyncs_deferred`), not one by one; a failed fsync
-    is this thread's error like a failed write."""
+    is this thread's error like a failed write. ``direct``: see :func:`_write_parts`."""
     records: list[FileRecord] = []
     own: list[FileRecord] = []
     error = None
     try:
-        with fsyncs_deferred():
+        with fsyncs_deferred(), direct_writes(direct):
             records, own, error = _run_each(staging, parts, stop_at_error=stop_at_error)
     except save_failures() as exc:  # noqa: BLE001 - a failed fsync reaches every rank like a failed write
         error = error or f"fsync of the parts' files: {describe_failure(exc)}"

@@ -214,10 +214,11 @@ class DurableFile(io.RawIOBase):
     Raises ``OSError`` from the writes or the fsync (e.g. ENOSPC).
     """
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, *, fd: int | None = None):
         super().__init__()
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # ``fd``: the file already opened (a subclass's own flags, e.g. O_DIRECT)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if fd is None else fd
         self._digest = _ALGORITHMS[DIGEST]()
         self._size = 0
 

@@ -1,5 +1,6 @@
-"""Safetensors files written through :class:`DurableFile` (digested as written) and read
-straight into the tensors they restore.
+"""Safetensors files written through a ``DurableFile`` (digested as written; one of 64 MiB or more
+with ``O_DIRECT`` inside a local save, :mod:`~resilience.checkpoint.storage.direct_file`) and
+read straight into the tensors they restore.
 
 The format (https://github.com/huggingface/safetensors#format): an 8-byte little-endian header
 length, a JSON header (``__metadata__`` and, per tensor, dtype, shape and ``data_offsets``)
@@ -22,7 +23,8 @@ from typing import Any
 
 import torch
 
-from resilience.checkpoint.storage.durable import Digest, DurableFile, FileRecord
+from resilience.checkpoint.storage.direct_file import open_for_tensors
+from resilience.checkpoint.storage.durable import Digest, FileRecord
 from resilience.checkpoint.storage.remote_files import ensure_local
 
 # safetensors header dtype codes -> torch dtype names (the names used in our JSON files).
@@ -73,7 +75,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], relpath: str
         if not t.is_contiguous():
             raise ValueError(f"{key}: not contiguous")
     text, order = safetensors_header({key: (t.dtype, list(t.shape)) for key, t in tensors.items()}, metadata)
-    with DurableFile(path) as out:
+    with open_for_tensors(path, len(text) + sum(t.numel() * t.element_size() for t in tensors.values())) as out:
         out.write(text)
         for key in order:
             t = tensors[key]
