@@ -19,6 +19,10 @@ to its length. Where the filesystem refuses ``O_DIRECT`` (at ``open``, or ``EINV
 the same file goes on buffered, so a save never fails for the lack of it. The data is then not
 in the page cache: a later read of the file comes from the disk.
 
+Reads stay buffered: a reader of the same design (two 16 MiB buffers read ahead on threads,
+copied into the tensors) loaded the FSDP2 bench's checkpoint in 3.8 s against 2.3 s buffered
+(interleaved rounds, quiet machine): the kernel's readahead keeps more of the disk busy.
+
 ``RESILIENCE_DIRECT_IO=0`` turns it off (:func:`direct_io_enabled`).
 """
 
@@ -110,13 +114,14 @@ class DirectFile(DurableFile):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             self.direct = False
         super().__init__(path, fd=fd)
-        self._buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
+        self._chunk = BUFFER_BYTES
+        self._buffers = [mmap.mmap(-1, self._chunk) for _ in range(BUFFERS)]
         self._views = [memoryview(b) for b in self._buffers]
         self._addresses = [np.frombuffer(b, dtype=np.uint8).ctypes.data for b in self._buffers]
         self._current = 0
         self._fill = 0  # bytes in the current buffer
         self._offset = 0  # file offset of the current buffer
-        self._pending: list[concurrent.futures.Future[None] | None] = [None] * BUFFERS
+        self._pending: list[concurrent.futures.Future[None] | None] = [None] * len(self._buffers)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=BUFFERS - 1, thread_name_prefix="resilience-direct-write")
 
     def write(self, data: Any) -> int:
@@ -125,11 +130,11 @@ class DirectFile(DurableFile):
         source = np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
         done = 0
         while done < len(view):
-            n = min(BUFFER_BYTES - self._fill, len(view) - done)
+            n = min(self._chunk - self._fill, len(view) - done)
             ctypes.memmove(self._addresses[self._current] + self._fill, source + done, n)  # releases the GIL
             self._fill += n
             done += n
-            if self._fill == BUFFER_BYTES:
+            if self._fill == self._chunk:
                 self._submit()
         self._size += len(view)
         return len(view)
@@ -139,7 +144,7 @@ class DirectFile(DurableFile):
         index, fill, offset = self._current, self._fill, self._offset
         self._digest.update(self._views[index][:fill])
         self._pending[index] = self._pool.submit(self._write_at, index, fill, offset)
-        self._current, self._fill, self._offset = (index + 1) % BUFFERS, 0, offset + fill
+        self._current, self._fill, self._offset = (index + 1) % len(self._buffers), 0, offset + fill
         self._wait(self._current)
 
     def _wait(self, index: int) -> None:
@@ -154,17 +159,15 @@ class DirectFile(DurableFile):
         if length > fill:
             view[fill:length] = bytes(length - fill)  # past the end: truncated at close
         done = 0
+        refused = False
         while done < length:
             try:
                 done += os.pwrite(self._fd, view[done:length], offset + done)
             except OSError as exc:
-                if exc.errno != errno.EINVAL or not self.direct:
+                if exc.errno != errno.EINVAL or refused:
                     raise
-                self._go_buffered()  # the filesystem took the open but not the aligned write
-                length = fill
-            else:
-                if self.direct and done % ALIGN and done < length:
-                    self._go_buffered()  # a short write left the rest unaligned
+                refused = True  # the filesystem took the open, not the aligned write (or a short write left it unaligned)
+                self._go_buffered()  # for every writer thread: one may see EINVAL after another switched
 
     def _go_buffered(self) -> None:
         fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
@@ -178,16 +181,22 @@ class DirectFile(DurableFile):
         try:
             if self._fill:
                 self._submit()
-            for index in range(BUFFERS):
+            for index in range(len(self._buffers)):
                 self._wait(index)
             os.ftruncate(self._fd, self._size)  # drop the last write's padding
         except BaseException:
-            self._pool.shutdown(wait=True)
+            self._release()
             os.close(self._fd)
             self._fd = -1
             super(DurableFile, self).close()
             raise
-        finally:
-            self._pending = [None] * BUFFERS
-        self._pool.shutdown(wait=True)
+        self._release()
         super().close()
+
+    def _release(self) -> None:
+        """Stop the writer threads (after their writes) and unmap the buffers now, not at garbage collection."""
+        self._pool.shutdown(wait=True)
+        self._pending = [None] * len(self._buffers)
+        for view, buffer in zip(self._views, self._buffers, strict=True):
+            view.release()
+            buffer.close()
