@@ -33,9 +33,10 @@ import contextlib
 import contextvars
 import ctypes
 import errno
-import fcntl
 import mmap
 import os
+import queue
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,17 +116,33 @@ class DirectFile(DurableFile):
             self.direct = False
         super().__init__(path, fd=fd)
         self._chunk = BUFFER_BYTES
-        self._buffers = [mmap.mmap(-1, self._chunk) for _ in range(BUFFERS)]
-        self._views = [memoryview(b) for b in self._buffers]
-        self._addresses = [np.frombuffer(b, dtype=np.uint8).ctypes.data for b in self._buffers]
         self._current = 0
         self._fill = 0  # bytes in the current buffer
         self._offset = 0  # file offset of the current buffer
-        self._pending: list[concurrent.futures.Future[None] | None] = [None] * len(self._buffers)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=BUFFERS - 1, thread_name_prefix="resilience-direct-write")
+        self._jobs: queue.SimpleQueue[tuple[int, int, int, concurrent.futures.Future[None]] | None] = queue.SimpleQueue()
+        try:
+            # private: a child forked meanwhile (a data loader's worker) does not keep them mapped
+            self._buffers = [mmap.mmap(-1, self._chunk, flags=mmap.MAP_PRIVATE) for _ in range(BUFFERS)]
+            self._views = [memoryview(b) for b in self._buffers]
+            self._addresses = [np.frombuffer(b, dtype=np.uint8).ctypes.data for b in self._buffers]
+            self._pending: list[concurrent.futures.Future[None] | None] = [None] * len(self._buffers)
+            # daemon threads, not an executor's: Python joins those at exit, so a write stuck on a
+            # hung mount would keep a preempted process from exiting (async_writer.py's promise)
+            self._writers = [threading.Thread(target=self._serve, name="resilience-direct-write", daemon=True) for _ in range(BUFFERS - 1)]
+            for thread in self._writers:
+                thread.start()
+        except BaseException:
+            self._writers = getattr(self, "_writers", [])
+            self._stop_writers()
+            os.close(self._fd)
+            super(DurableFile, self).close()
+            raise
 
     def write(self, data: Any) -> int:
-        """Write all of ``data`` (any C-contiguous bytes-like object); returns its length in bytes."""
+        """Write all of ``data`` (any C-contiguous bytes-like object); returns its length in bytes.
+        Raises ``ValueError`` once the file is closed (its buffers are unmapped)."""
+        if self.closed:
+            raise ValueError(f"{self.path}: write to a closed DirectFile")
         view = memoryview(data).cast("B")
         source = np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
         done = 0
@@ -143,14 +160,38 @@ class DirectFile(DurableFile):
         """Digest the current buffer and hand it to a writer thread; wait for the next one to be free."""
         index, fill, offset = self._current, self._fill, self._offset
         self._digest.update(self._views[index][:fill])
-        self._pending[index] = self._pool.submit(self._write_at, index, fill, offset)
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._pending[index] = future
+        self._jobs.put((index, fill, offset, future))
         self._current, self._fill, self._offset = (index + 1) % len(self._buffers), 0, offset + fill
         self._wait(self._current)
 
     def _wait(self, index: int) -> None:
-        pending, self._pending[index] = self._pending[index], None
-        if pending is not None:
+        pending = self._pending[index]
+        if pending is None:
+            return
+        try:
             pending.result()  # raises the writer thread's OSError here
+        finally:
+            if pending.done():  # not after an interrupt: close() must still wait for that write
+                self._pending[index] = None
+
+    def _serve(self) -> None:
+        """Writer thread: run the queued buffer writes until a ``None``."""
+        while (job := self._jobs.get()) is not None:
+            index, fill, offset, future = job
+            try:
+                self._write_at(index, fill, offset)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+    def _stop_writers(self) -> None:
+        for _ in self._writers:
+            self._jobs.put(None)
+        for thread in self._writers:
+            thread.join()
 
     def _write_at(self, index: int, fill: int, offset: int) -> None:
         """Writer thread: buffer ``index``'s first ``fill`` bytes at ``offset`` (padded to ALIGN while direct)."""
@@ -170,6 +211,8 @@ class DirectFile(DurableFile):
                 self._go_buffered()  # for every writer thread: one may see EINVAL after another switched
 
     def _go_buffered(self) -> None:
+        import fcntl  # POSIX only, as O_DIRECT: not imported where the package merely loads
+
         fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         self.direct = False
 
@@ -195,7 +238,7 @@ class DirectFile(DurableFile):
 
     def _release(self) -> None:
         """Stop the writer threads (after their writes) and unmap the buffers now, not at garbage collection."""
-        self._pool.shutdown(wait=True)
+        self._stop_writers()
         self._pending = [None] * len(self._buffers)
         for view, buffer in zip(self._views, self._buffers, strict=True):
             view.release()
