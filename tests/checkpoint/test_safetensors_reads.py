@@ -81,3 +81,78 @@ def test_a_digest_error_on_its_thread_is_raised_by_the_read(tmp_path, monkeypatc
     save_file(_tensors(), str(path))
     with pytest.raises(RuntimeError, match="digest broke"):
         read_safetensors(path, digest=Broken())
+
+
+@pytest.mark.parametrize("behind", [True, False], ids=["digest-on-thread", "digest-inline"])
+def test_short_reads_trailing_bytes_and_a_tied_target_keep_bytes_and_digest(tmp_path, monkeypatch, behind):
+    """``preadv`` may return fewer bytes than asked (97 at most here, mid-buffer); bytes after the
+    last tensor are digested; two names tied to one target tensor are read into it once (the
+    other into a new tensor), so the digest still sees every byte of the file as it is."""
+    import threading
+
+    monkeypatch.setattr(safetensors_file, "READ_BYTES", 300)
+    monkeypatch.setattr(safetensors_file, "DIGEST_BEHIND_BYTES", 0 if behind else 1 << 40)
+    real = safetensors_file._readv_at
+
+    def short(fd, buffers, offset):
+        budget, parts = 97, []
+        for b in buffers:
+            parts.append(b[:budget])
+            budget -= len(parts[-1])
+            if not budget:
+                break
+        return real(fd, parts, offset)
+
+    monkeypatch.setattr(safetensors_file, "_readv_at", short)
+    tensors = _tensors()
+    tensors["flags"] = torch.tensor([True, False, True])
+    tensors["tied.a"] = torch.randn(50)
+    tensors["tied.b"] = tensors["tied.a"].clone() + 1  # different bytes under two names
+    path = tmp_path / "f.safetensors"
+    save_file(tensors, str(path))
+    with open(path, "ab") as fh:
+        fh.write(b"trailing bytes")
+    shared = torch.zeros(50)
+    targets = {"tied.a": shared, "tied.b": shared}
+    threads: set[int] = set()
+
+    class Recording:
+        def __init__(self):
+            self.inner = xxhash.xxh3_128()
+
+        def update(self, data):
+            threads.add(threading.get_ident())
+            self.inner.update(data)
+
+        def hexdigest(self):
+            return self.inner.hexdigest()
+
+    digest = Recording()
+    got = read_safetensors(path, targets, digest=digest)
+    assert digest.hexdigest() == xxhash.xxh3_128(path.read_bytes()).hexdigest()
+    for key, t in tensors.items():
+        assert torch.equal(got[key], t), key
+    assert (got["tied.a"] is shared) != (got["tied.b"] is shared)  # one of them read in place
+    assert (threading.get_ident() not in threads) == behind
+
+
+def test_the_reads_error_wins_over_the_digest_threads(tmp_path, monkeypatch):
+    class Broken:  # fails at its second update, the last one before the read hits the end of the file
+        calls = 0
+
+        def update(self, data):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("digest broke")
+
+        def hexdigest(self):
+            return ""
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(64))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="ends early"), safetensors_file._DigestBehind(Broken()) as behind:
+            safetensors_file._read_views(fd, 0, [memoryview(bytearray(32)), memoryview(bytearray(64))], behind, "ends early")
+    finally:
+        os.close(fd)

@@ -15,6 +15,7 @@ use the ``safetensors`` library. The dtype codes and the header reader here serv
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import queue
@@ -150,7 +151,7 @@ def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None,
     8 MiB requests, one per tensor, ran at ~0.7-0.8 of 64 MiB ones on this disk).
     ``digest`` (a hash object with ``update``, e.g. ``xxhash.xxh3_128()``) is fed every byte of
     the file, in order, as it is read: the file's digest without a second read. For a file of
-    :data:`DIGEST_BEHIND_BYTES` or more it runs on a thread one request behind the reads
+    :data:`DIGEST_BEHIND_BYTES` or more it runs on a thread behind the reads
     (:class:`_DigestBehind`), so the disk does not wait on it.
 
     Raises:
@@ -186,6 +187,7 @@ def _read_tensors(path: Path, fh: Any, size: int, targets: dict[str, torch.Tenso
     data_start, end = 8 + length, 0
     out: dict[str, torch.Tensor] = {}
     views: list[memoryview] = []  # every tensor's bytes, in file order (back to back: checked below)
+    used: list[tuple[int, int]] = []  # the memory they fill: a target shared by two names (tied) is read into once
     for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
         dtype = _CODES.get(info.get("dtype"))
         begin, stop = info["data_offsets"]
@@ -203,9 +205,11 @@ def _read_tensors(path: Path, fh: Any, size: int, targets: dict[str, torch.Tenso
             and target.is_contiguous()
             and target.dtype == dtype
             and list(target.shape) == shape
+            and not _overlaps(target, used)
         ):
             target = torch.empty(shape, dtype=dtype)
         if nbytes:
+            bisect.insort(used, (target.data_ptr(), target.data_ptr() + nbytes))
             views.append(target.reshape(-1).view(torch.uint8).numpy().data)
         out[name] = target
     if digest is not None and data_start + end < size:  # bytes past the last tensor: digested too
@@ -214,11 +218,23 @@ def _read_tensors(path: Path, fh: Any, size: int, targets: dict[str, torch.Tenso
     return out
 
 
+def _overlaps(target: torch.Tensor, used: list[tuple[int, int]]) -> bool:
+    """Whether ``target``'s bytes overlap memory another tensor of this file is read into (two
+    names tied to one tensor: one request would fill both before either is digested). ``used``:
+    the ``(start, stop)`` addresses taken so far, sorted, disjoint (bisected: O(log n) a tensor)."""
+    start = target.data_ptr()
+    stop = start + target.numel() * target.element_size()
+    if start == stop:
+        return False
+    i = bisect.bisect_right(used, (start, stop))
+    return (i > 0 and used[i - 1][1] > start) or (i < len(used) and used[i][0] < stop)
+
+
 READ_BYTES = 64 << 20
 """The bytes one read request asks for (several tensors' at once, or a part of a larger one)."""
 _MAX_BUFFERS = 512  # buffers per preadv, under Linux's IOV_MAX of 1024
 DIGEST_BEHIND_BYTES = 64 << 20
-"""Files of this size or more are digested on a thread one request behind the reads (:class:`_DigestBehind`)."""
+"""Files of this size or more are digested on a thread behind the reads (:class:`_DigestBehind`)."""
 
 
 def _read_views(fd: int, offset: int, views: list[memoryview], digest: _Feed | None, short: str) -> None:
@@ -273,19 +289,22 @@ class _Feed(Protocol):
 
 
 class _DigestBehind:
-    """A digest fed on its own thread, in order, with the buffers the reads have just filled: the
-    hash of one request's bytes runs while the next request is read (xxh3 releases the GIL), so
-    the disk does not wait on it. The buffers must stay unchanged until :meth:`close`, which waits
-    for the last update and raises the thread's error, if any."""
+    """A digest fed on its own thread, in order, with the buffers the reads have just filled: a
+    request's bytes are hashed while the next ones are read (xxh3 releases the GIL), so the disk
+    does not wait on it. The buffers must stay unchanged until :meth:`close`, which waits for the
+    last update and raises the thread's error, if any (an error already on its way out of the
+    ``with`` block wins; once the thread has failed, :meth:`update` raises it at once)."""
 
     def __init__(self, digest: Digest):
         self._digest = digest
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()  # views of the targets only: no copies held
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="resilience-read-digest", daemon=True)
         self._thread.start()
 
     def update(self, data: Any) -> None:
+        if self._error is not None:
+            raise self._error
         self._queue.put(data)
 
     def _run(self) -> None:
@@ -293,7 +312,7 @@ class _DigestBehind:
             if self._error is None:
                 try:
                     self._digest.update(data)
-                except BaseException as exc:  # raised by close(), on the reader's thread
+                except BaseException as exc:  # raised on the reader's thread
                     self._error = exc
 
     def close(self) -> None:
@@ -305,5 +324,9 @@ class _DigestBehind:
     def __enter__(self) -> _DigestBehind:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        self._queue.put(None)  # the read failed: its error is the one to raise
+        self._thread.join()
