@@ -31,14 +31,14 @@ def test_reads_batched_and_split_give_the_bytes_and_the_files_digest(tmp_path, m
     monkeypatch.setattr(safetensors_file, "_MAX_BUFFERS", 5)
     monkeypatch.setattr(safetensors_file, "DIGEST_BEHIND_BYTES", 0 if behind else 1 << 40)
     requests: list[int] = []
-    real = safetensors_file._readv_at
+    real = os.preadv
 
     def counting(fd, buffers, offset):
         requests.append(sum(len(b) for b in buffers))
         assert len(buffers) <= 5
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(safetensors_file, "_readv_at", counting)
+    monkeypatch.setattr(safetensors_file.os, "preadv", counting)
     tensors = _tensors()
     path = tmp_path / "f.safetensors"
     save_file(tensors, str(path))
@@ -92,7 +92,7 @@ def test_short_reads_trailing_bytes_and_a_tied_target_keep_bytes_and_digest(tmp_
 
     monkeypatch.setattr(safetensors_file, "READ_BYTES", 300)
     monkeypatch.setattr(safetensors_file, "DIGEST_BEHIND_BYTES", 0 if behind else 1 << 40)
-    real = safetensors_file._readv_at
+    real = os.preadv
 
     def short(fd, buffers, offset):
         budget, parts = 97, []
@@ -103,7 +103,7 @@ def test_short_reads_trailing_bytes_and_a_tied_target_keep_bytes_and_digest(tmp_
                 break
         return real(fd, parts, offset)
 
-    monkeypatch.setattr(safetensors_file, "_readv_at", short)
+    monkeypatch.setattr(safetensors_file.os, "preadv", short)
     tensors = _tensors()
     tensors["flags"] = torch.tensor([True, False, True])
     tensors["tied.a"] = torch.randn(50)

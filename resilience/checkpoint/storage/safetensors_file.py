@@ -148,7 +148,7 @@ def read_safetensors(path: Path, targets: dict[str, torch.Tensor] | None = None,
 
     The tensors' bytes are read :data:`READ_BYTES` at a time, several tensors per ``preadv``
     (one request spanning them, so the kernel reads that far ahead; measured in bench/README.md:
-    8 MiB requests, one per tensor, ran at ~0.7-0.8 of 64 MiB ones on this disk).
+    8 MiB requests, one per tensor, with the digest between them ran at ~0.7-0.9 of 64 MiB ones on this disk).
     ``digest`` (a hash object with ``update``, e.g. ``xxhash.xxh3_128()``) is fed every byte of
     the file, in order, as it is read: the file's digest without a second read. For a file of
     :data:`DIGEST_BEHIND_BYTES` or more it runs on a thread behind the reads
@@ -259,7 +259,7 @@ def _read_batch(fd: int, offset: int, batch: list[memoryview], digest: _Feed | N
     """Fill every view of ``batch`` from ``fd`` at ``offset`` (``preadv``, again after a short
     read); feed ``digest`` each view as it is filled. Returns the offset after them."""
     while batch:
-        n = _readv_at(fd, batch, offset)
+        n = os.preadv(fd, batch, offset)  # as shard_pieces.read_rows: Linux, macOS 11 or later
         if not n:
             raise ValueError(short)
         offset += n
@@ -274,18 +274,11 @@ def _read_batch(fd: int, offset: int, batch: list[memoryview], digest: _Feed | N
     return offset
 
 
-def _readv_at(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """``os.preadv`` (Linux, macOS 11 or later), else ``lseek`` + ``readv``: the bytes read."""
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, buffers, offset)
-    os.lseek(fd, offset, os.SEEK_SET)
-    return os.readv(fd, buffers)
-
-
 class _Feed(Protocol):
     """What the reads feed: a digest, or :class:`_DigestBehind` feeding one on its thread."""
 
-    def update(self, data: Any, /) -> None: ...
+    def update(self, data: Any, /) -> None:
+        """Feed the next bytes of the file, in order."""
 
 
 class _DigestBehind:
@@ -303,6 +296,8 @@ class _DigestBehind:
         self._thread.start()
 
     def update(self, data: Any) -> None:
+        """Queue ``data`` (a bytes-like view the caller leaves unchanged until :meth:`close`) for
+        the digest. Raises the digest's own error, once it has failed, instead of queueing more."""
         if self._error is not None:
             raise self._error
         self._queue.put(data)
@@ -316,6 +311,8 @@ class _DigestBehind:
                     self._error = exc
 
     def close(self) -> None:
+        """Wait until every queued view is digested (the digest is then complete); raise the
+        digest's error, if it failed."""
         self._queue.put(None)
         self._thread.join()
         if self._error is not None:
