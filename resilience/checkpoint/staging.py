@@ -6,6 +6,8 @@ and a *fresh* allocation of GiBs costs several times the copy itself on a VM (pa
 ~0.08 s per GiB into reused memory vs 0.2-0.4 s fresh; ``python -m bench`` measures the async save).
 So each tensor gets a buffer of the same shape and dtype that is allocated once and refilled
 by every later save; pinned when CUDA is present so device-to-host copies run asynchronously.
+Plain CPU tensors are copied as bytes in chunks shared by threads (:mod:`~resilience.checkpoint.host_copy`),
+so a core taken by another process slows the snapshot less.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from resilience.checkpoint.host_copy import copies_as_bytes, copy_bytes
 from resilience.sharded_types import dtensor_class
 
 if TYPE_CHECKING:  # imported only for the annotation: importing DTensor at run time is what dtensor_class avoids
@@ -48,22 +51,28 @@ class StagingBuffers:
         :meth:`synchronize` before the buffers are read.
         """
         out: dict[str, torch.Tensor] = {}
+        as_bytes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor): copied together below
         dtensor = dtensor_class()  # None: no DTensor exists in this process
         for name, tensor in tensors.items():
             tensor = tensor.detach()
             if dtensor is None or not isinstance(tensor, dtensor):
-                out[name] = self._fill(prefix + name, tensor)
+                out[name] = self._fill(prefix + name, tensor, as_bytes)
                 continue
             sharded = cast("DTensor", tensor)
             # A DTensor's snapshot is its local shard, kept a DTensor (same mesh, placements and
             # global shape) so the writers still know where it lies; built directly, as
             # DTensor.from_local would move a CPU shard back to the mesh's device.
-            out[name] = dtensor(self._fill(prefix + name, sharded.to_local()), sharded._spec, requires_grad=False)
+            out[name] = dtensor(self._fill(prefix + name, sharded.to_local(), as_bytes), sharded._spec, requires_grad=False)
+        copy_bytes(as_bytes)
         return out
 
-    def _fill(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _fill(self, key: str, tensor: torch.Tensor, as_bytes: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """``tensor``'s buffer; filled now by ``copy_``, or later with ``as_bytes`` (plain CPU tensors)."""
         buf = self._buffer_for(key, tensor)
-        buf.copy_(tensor, non_blocking=tensor.device.type != "cpu")
+        if copies_as_bytes(tensor, buf):
+            as_bytes.append((buf, tensor))
+        else:
+            buf.copy_(tensor, non_blocking=tensor.device.type != "cpu")
         return buf
 
     def synchronize(self) -> None:
