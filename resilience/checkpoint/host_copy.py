@@ -41,6 +41,7 @@ def copies_as_bytes(src: torch.Tensor, dst: torch.Tensor) -> bool:
         and not src.is_quantized
         and not src.is_conj()
         and not src.is_neg()
+        and (src.data_ptr() != 0 or src.numel() == 0)  # a ZeroTensor (torch._efficientzerotensor) has no bytes
     )
 
 

@@ -30,6 +30,7 @@ def _state() -> dict[str, torch.Tensor]:
         "conj": torch.randn(16, dtype=torch.complex64, generator=gen).conj(),  # lazy conjugate: copy_ resolves it
         "neg": torch._neg_view(torch.randn(8, generator=gen)),  # contiguous, a lazy negation: its bytes are not its values
         "param": torch.nn.Parameter(torch.randn(5, 5, generator=gen)),
+        "zeros": torch._efficientzerotensor((1000,)),  # no storage at all (data_ptr 0): copy_ gives its zeros
     }
 
 
@@ -45,8 +46,9 @@ def test_staging_copies_equal_the_values_in_their_own_memory_whatever_the_layout
         assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
         assert not got.is_conj() and not got.is_neg() and got.is_contiguous(), name
         assert torch.equal(got, tensor.detach().resolve_conj().resolve_neg()), name
-        if tensor.numel():
+        if tensor.numel() and tensor.data_ptr():
             assert got.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr(), name
+        assert got.numel() == 0 or got.data_ptr(), name  # a real buffer, also for the ZeroTensor
 
 
 def test_a_second_snapshot_reuses_the_buffers_and_holds_the_new_values():
