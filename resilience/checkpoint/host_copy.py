@@ -67,7 +67,8 @@ def copy_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int 
         Whatever a helper thread raised, after every helper has stopped.
     """
     total = sum(src.numel() * src.element_size() for _, src in pairs)
-    threads = max(1, threads if threads is not None else torch.get_num_threads())
+    # no more threads than chunks: torch may report 64 intra-op threads for a copy of 5 chunks
+    threads = max(1, min(threads if threads is not None else torch.get_num_threads(), -(-total // CHUNK_BYTES)))
     work = chunks(pairs)
     if threads == 1 or total < MIN_PARALLEL_BYTES:
         for job in work:

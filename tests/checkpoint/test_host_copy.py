@@ -115,3 +115,19 @@ def test_a_helper_threads_error_reaches_the_caller(monkeypatch):
     with pytest.raises(OSError, match="helper failed"):
         copy_bytes([(torch.empty_like(src), src)], threads=2)
     assert not [t for t in threading.enumerate() if t.name.startswith("resilience-host-copy")]
+
+
+def test_no_more_threads_start_than_there_are_chunks(monkeypatch):
+    started: list[str] = []
+
+    class Counted(threading.Thread):
+        def start(self) -> None:
+            started.append(self.name)
+            super().start()
+
+    monkeypatch.setattr(host_copy, "MIN_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(host_copy.threading, "Thread", Counted)
+    src = torch.randn(2 * CHUNK_BYTES // 4 + 1)  # 3 chunks
+    dst = torch.empty_like(src)
+    copy_bytes([(dst, src)], threads=64)
+    assert torch.equal(dst, src) and len(started) == 2  # the calling thread and 2 helpers
