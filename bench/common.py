@@ -131,6 +131,27 @@ def files_under(path: Path) -> list[Path]:
     return [Path(d) / f for d, _, names in os.walk(path) for f in names if (Path(d) / f).is_file()]
 
 
+def read_once(paths: Iterable[Path], rank: int = 0, world_size: int = 1) -> int:
+    """Read every file under ``paths`` once, untimed, the ranks taking every ``world_size``-th
+    file from ``rank`` on; returns the bytes this rank read.
+
+    Before a cold read (:func:`drop_cache` after it), so every method's timed read comes from
+    the same layer below this machine's page cache. On the bench VM the virtual disk sits on the
+    host's own cache, which ``posix_fadvise`` cannot drop: the same 1.6 GB file read cold ran at
+    0.6 GB/s after minutes unread and at 3.3 GB/s when read just before, so an order of methods
+    that always puts one after the other's files (a rotation keeps who-follows-whom) decided the
+    sharded load's figure (bench/README.md). Read once just before, every method's files come
+    from the host's cache alike."""
+    buf = memoryview(bytearray(64 << 20))
+    done = 0
+    files = sorted(p for root in paths for p in files_under(Path(root)))
+    for path in files[rank::world_size]:
+        with open(path, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                done += n
+    return done
+
+
 def size_on_disk(path: Path) -> int:
     """Total bytes of the files under ``path``."""
     return sum(p.stat().st_size for p in files_under(path))

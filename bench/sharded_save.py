@@ -22,19 +22,22 @@ MODEL_SAVE_FORMAT = "safetensors"
 RESHARD_RANKS = 1  # the resharded load: 2 ranks' checkpoint into 1
 
 
-def save_rounds(repeat: int) -> int:
-    """Rounds of the sharded save for ``repeat`` rounds of everything else: ``2 * repeat + 1``
-    (11 at the default 5), one round when ``repeat`` is 1 (``--quick``). The disk's rate moved 2x
-    between rounds of 5-round runs here, and the save's target (0.9 of the disk) sits inside that
-    noise: the paired ratios' median over 11 rounds gets an interval from inner order statistics
-    instead of the extremes. A round costs about 10 s (three methods' 3 GiB saves, each dropped
-    from the page cache after)."""
+def sharded_rounds(repeat: int) -> int:
+    """Rounds of the sharded save and of each sharded load for ``repeat`` rounds of everything
+    else: ``2 * repeat + 1`` (11 at the default 5), one round when ``repeat`` is 1 (``--quick``).
+    The disk's rate moved 2x between rounds of 5-round runs here, and the targets (0.9 of the
+    disk's write rate, 0.8 of its read rate) sit inside that noise: the paired ratios' median
+    over 11 rounds gets an interval from inner order statistics instead of the extremes. Beside a
+    busy process one cold 1.6 GB read per rank took 1.0-2.8 s, ours and the anchor alike, and
+    windows of 5 of 15 such rounds put ours' median ratio anywhere in 0.87-1.09 (of 11:
+    0.96-1.0; bench/README.md). A save round costs about 10 s (three methods' 3 GiB saves, each
+    dropped from the page cache after), a load round about 8 s."""
     return repeat if repeat <= 1 else 2 * repeat + 1
 
 
 def bench_sharded_save(work: Path, size: int, repeat: int, *, timeout_s: float, log: Callable[[str], None], nproc: int = 2) -> dict[str, Any]:
-    """Run :mod:`bench.sharded_worker` on ``nproc`` ranks (:func:`save_rounds` rounds of the save,
-    ``repeat`` of the load) and then on :data:`RESHARD_RANKS` (``repeat`` rounds of the load of the
+    """Run :mod:`bench.sharded_worker` on ``nproc`` ranks (:func:`sharded_rounds` rounds of the save,
+    then of the load) and then on :data:`RESHARD_RANKS` (as many rounds of the load of the
     same checkpoint) over a ``size``-byte fp32 model (+ Adam);
     return the first run's JSON with the second's under ``reshard`` (times in s, sizes in bytes).
 
@@ -46,7 +49,7 @@ def bench_sharded_save(work: Path, size: int, repeat: int, *, timeout_s: float, 
     remove(scratch)
     scratch.mkdir(parents=True)
     try:
-        rounds = f"{save_rounds(repeat)} round(s) of the save and {repeat} of the load"
+        rounds = f"{sharded_rounds(repeat)} round(s) of the save and of each load"
         log(f"sharded save and load: FSDP2 over {nproc} ranks, {rounds}, model_save_format {MODEL_SAVE_FORMAT}")
         doc = _run(out, scratch, size, repeat, nproc, "save", timeout_s)
         log(format_phases(f"sharded save phases ({nproc} ranks, s)", doc["phases"]["save"], labels(SAVE)))
@@ -62,8 +65,8 @@ def bench_sharded_save(work: Path, size: int, repeat: int, *, timeout_s: float, 
 
 def _run(out: Path, scratch: Path, size: int, repeat: int, nproc: int, mode: str, timeout_s: float) -> dict[str, Any]:
     remove(out)
-    cmd = [sys.executable, "-u", "-m", "bench.sharded_worker", "--out", str(out), "--dir", str(scratch), "--size", str(size), "--repeat", str(repeat)]
-    cmd += ["--save-repeat", str(save_rounds(repeat)), "--model-save-format", MODEL_SAVE_FORMAT, "--mode", mode]
+    cmd = [sys.executable, "-u", "-m", "bench.sharded_worker", "--out", str(out), "--dir", str(scratch), "--size", str(size)]
+    cmd += ["--repeat", str(sharded_rounds(repeat)), "--model-save-format", MODEL_SAVE_FORMAT, "--mode", mode]
     with launch(cmd, nproc, env=rank_env(), failure_grace_s=10.0) as group:
         code = group.wait(timeout=timeout_s)  # subprocess.TimeoutExpired past it; leaving the block ends the ranks
         codes = [proc.returncode for proc in group.procs]

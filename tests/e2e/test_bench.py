@@ -299,11 +299,24 @@ def test_load_only_pass_beside_a_busy_process_adds_loaded_keys_and_keeps_the_qui
     assert neighbour["cpu_s"] > 0 and neighbour["wall_s"] > 0  # the busy process really ran
 
 
-def test_the_sharded_save_runs_an_odd_number_of_rounds_above_the_rest_except_in_a_quick_run():
-    from bench.sharded_save import save_rounds
+def test_the_sharded_save_and_loads_run_an_odd_number_of_rounds_above_the_rest_except_in_a_quick_run():
+    from bench.sharded_save import sharded_rounds
 
-    assert save_rounds(1) == 1  # --quick: one round of everything
-    assert [save_rounds(r) for r in (2, 5)] == [5, 11]  # odd: the median is one round's ratio
+    assert sharded_rounds(1) == 1  # --quick: one round of everything
+    assert [sharded_rounds(r) for r in (2, 5)] == [5, 11]  # odd: the median is one round's ratio
+
+
+def test_read_once_reads_every_file_once_across_the_ranks(tmp_path):
+    from bench.common import read_once
+
+    sizes = {"a.bin": 3, "b.bin": 70 << 20, "sub/c.bin": 5, "sub/d.bin": 0}  # one file larger than the 64 MiB buffer
+    for name, size in sizes.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * size)
+    shares = [read_once([tmp_path], rank, 3) for rank in range(3)]
+    assert sum(shares) == sum(sizes.values())
+    assert read_once([tmp_path / "sub", tmp_path / "a.bin"]) == 8  # a file given by name counts too
+    assert sorted(shares) != [0, 0, sum(sizes.values())]  # split, not all on one rank
 
 
 def test_fast_balance_gives_the_same_owners_as_the_library_balance():
