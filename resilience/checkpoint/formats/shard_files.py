@@ -171,9 +171,11 @@ def load_by_slices(
     block of it (a rule's found by arithmetic, see :func:`overlapping`); an alias reads its
     canonical key's pieces.
 
-    A file whose every tensor is one of this rank's blocks exactly (a load at the saver's layout)
-    is read whole, in order, straight into them, and digested as it passes when it is in
-    ``check``'s share (one read of each byte); the others by slices (``safetensors.safe_open``).
+    A file whose every piece lies whole in one contiguous run of this rank's tensors (its blocks
+    exactly at the saver's layout; whole dim-0 shards when fewer ranks load them, e.g. FSDP2 2 ->
+    1) is read whole, in order, straight into them (64 MiB requests), and digested as it passes
+    when it is in ``check``'s share (one read of each byte); the others by slices
+    (``safetensors.safe_open``).
 
     Raises:
         ValueError: missing or unexpected keys, another global shape, or a block the stored
@@ -198,8 +200,8 @@ def _plan_reads(
     model_dir: Path, layout: dict[str, dict[str, Any]], live: dict[str, torch.Tensor], aliases: dict[str, str]
 ) -> tuple[dict[str, dict[str, tuple[torch.Tensor, Found]]], list[tuple[str, torch.Tensor, list[Found]]]]:
     """The reads of :func:`load_by_slices`: ``{file: {stored key: (this rank's tensor, piece)}}``
-    of the blocks stored exactly as one piece, and ``[(stored key, this rank's tensor, pieces)]``
-    of the rest. Raises ``ValueError`` for another global shape or a block the pieces do not cover."""
+    of the pieces that lie whole in a contiguous run of this rank's tensor, and ``[(stored key,
+    this rank's tensor, pieces)]`` of the rest. Raises ``ValueError`` for another global shape or a block the pieces do not cover."""
     whole: dict[str, dict[str, tuple[torch.Tensor, Found]]] = {}
     sliced: list[tuple[str, torch.Tensor, list[Found]]] = []
     for key, t in live.items():
@@ -216,28 +218,36 @@ def _plan_reads(
         covered = sum(math.prod(d.stop - d.start for d in where[1]) for _, where in found)
         if covered != dest.numel():
             raise ValueError(f"{model_dir}: the stored pieces of {source} cover {covered} of the {dest.numel()} elements this rank holds")
-        exact = len(found) == 1 and list(found[0][0]["offsets"]) == list(block.offsets) and list(found[0][0]["shape"]) == list(block.shape)
-        if exact and source not in whole.get(found[0][0]["file"], {}):
-            whole.setdefault(found[0][0]["file"], {})[source] = (dest, found[0])
-        else:
-            sliced.append((source, dest, found))
+        for piece, where in found:
+            # a whole piece landing in one contiguous run of this rank's block (the block itself at
+            # the saver's layout; a run of rows when fewer ranks load dim-0 shards): read in place
+            if _whole(piece, where[0]) and dest[where[1]].is_contiguous() and source not in whole.get(piece["file"], {}):
+                whole.setdefault(piece["file"], {})[source] = (dest, (piece, where))
+            else:
+                sliced.append((source, dest, [(piece, where)]))
     return whole, sliced
 
 
+def _whole(piece: dict[str, Any], slices: tuple[slice, ...]) -> bool:
+    """Whether ``slices`` (into a stored piece) take all of it."""
+    return all(s.start == 0 and s.stop == n for s, n in zip(slices, piece["shape"], strict=True))
+
+
 def _read_whole(model_dir: Path, name: str, blocks: dict[str, tuple[torch.Tensor, Found]], check: ContentCheck | None) -> bool:
-    """Read the file ``name`` whole, in order, into ``blocks``' tensors when it holds nothing else
-    (False when it does: the caller reads those blocks by slices), digesting it for ``check``."""
+    """Read the file ``name`` whole, in order, into ``blocks``' tensors (each piece into the run of
+    its tensor it covers) when it holds nothing else (False when it does: the caller reads those
+    blocks by slices), digesting it for ``check``."""
     path = model_dir / name
     ensure_local(path)
     if set(read_safetensors_header(path)) - {"__metadata__"} != set(blocks):
         return False
     rel = f"{model_dir.name}/{name}"
     hasher = check.claim(rel) if check is not None else None  # None: another rank's share, or not ours to digest
-    targets = {source: dest for source, (dest, _) in blocks.items()}
+    targets = {source: dest[where[1]] for source, (dest, (_, where)) in blocks.items()}
     read = read_safetensors(path, targets, digest=hasher)
-    for source, dest in targets.items():
-        if read[source] is not dest:  # another dtype or a non-contiguous block: read aside, copied in
-            dest.copy_(read[source].reshape(dest.shape))
+    for source, target in targets.items():
+        if read[source] is not target:  # another dtype or a non-contiguous block: read aside, copied in
+            target.copy_(read[source].reshape(target.shape))
     if check is not None and hasher is not None:
         check.report(rel, hasher)
     return True
