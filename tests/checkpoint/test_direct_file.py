@@ -28,7 +28,22 @@ from resilience.state.step_scheduler import StepScheduler
 def small_buffers(monkeypatch):
     """3 buffers of 16 KiB: a file of a few hundred KiB crosses every buffer many times."""
     monkeypatch.setattr(direct_file, "BUFFER_BYTES", 16 << 10)
+    monkeypatch.setattr(direct_file, "MAX_BUFFER_BYTES", 16 << 10)
     monkeypatch.setattr(direct_file, "BUFFERS", 3)
+
+
+def test_a_file_gets_a_sixteenth_of_its_size_per_buffer_between_16_and_64_mib(tmp_path):
+    mib = 1 << 20
+    sizes = {64 * mib: 16 * mib, 537_000_000: 32 * mib, 1_074_000_000: 64 * mib, 40 << 30: 64 * mib}
+    for nbytes, want in sizes.items():
+        got = direct_file.buffer_bytes_for(nbytes)
+        assert got == want and got % direct_file.ALIGN == 0, (nbytes, got)
+    with direct_writes():
+        out = open_for_tensors(tmp_path / "big", 1_074_000_000)  # maps its buffers, writes nothing
+    try:
+        assert isinstance(out, DirectFile) and all(len(b) == 64 * mib for b in out._buffers)
+    finally:
+        out.close()
 
 
 def _filesystem(path: Path) -> str:
@@ -139,9 +154,9 @@ def test_a_local_save_writes_its_tensor_files_with_o_direct_and_resumes_bitwise(
     opened: list[Path] = []
     real_init = DirectFile.__init__
 
-    def spy(self, path):
+    def spy(self, path, buffer_bytes=None):
         opened.append(Path(path))
-        real_init(self, path)
+        real_init(self, path, buffer_bytes)
 
     monkeypatch.setattr(DirectFile, "__init__", spy)
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ DeepSpeed's FastPersist writes checkpoints the same way.
 
 :class:`DirectFile` is a :class:`~resilience.checkpoint.storage.durable.DurableFile` (digested
 as written, fsync'd on close or in a batch) whose bytes go through :data:`BUFFERS` page-aligned
-buffers of :data:`BUFFER_BYTES`: the caller's thread copies into one (``memmove``, the GIL
+buffers of 16-64 MiB (:func:`buffer_bytes_for`, by the file's size): the caller's thread copies into one (``memmove``, the GIL
 released) and digests it while it is hot in cache, writer threads ``pwrite`` the others at
 aligned file offsets. The last buffer is written padded to :data:`ALIGN` and the file truncated
 to its length. Where the filesystem refuses ``O_DIRECT`` (at ``open``, or ``EINVAL`` at a write)
@@ -50,7 +50,14 @@ ALIGN = 4096
 """Bytes: the alignment of every ``O_DIRECT`` write's offset, length and buffer (the largest
 logical block size Linux block devices use; a multiple of 512)."""
 BUFFER_BYTES = 16 << 20
-"""Bytes per aligned buffer: 16 MiB ran at 0.92 of 8 MiB's time in the A/B above."""
+"""Bytes per aligned buffer, at least: 16 MiB ran at 0.92 of 8 MiB's time in the A/B above."""
+MAX_BUFFER_BYTES = 64 << 20
+"""Bytes per aligned buffer, at most: a file gets 1/16 of its size per buffer between the two
+(:func:`buffer_bytes_for`). In the FSDP2 bench's shape (2 processes, each writing a 0.54 GB and a
+1.07 GB file at once, fsync'd; 6 rounds rotating, two A/Bs) 3 buffers of 64 MiB took 1.67 and
+1.74 s against 1.87 and 1.93 s with 16 MiB; 8 MiB x 9 (as many bytes in flight as 64 MiB x 2)
+1.94 s: the size of each request counts, not the bytes in flight. Capped so a file's buffers stay
+under 3/16 of its size and 192 MiB."""
 BUFFERS = 3
 """Aligned buffers per file: one being filled, the others being written (one writer thread each,
 so the disk sees BUFFERS - 1 requests of a rank at once)."""
@@ -86,12 +93,18 @@ def direct_writes(allowed: bool = True) -> Iterator[None]:
         _ALLOWED.reset(token)
 
 
+def buffer_bytes_for(nbytes: int) -> int:
+    """Bytes per aligned buffer for a file of about ``nbytes``: 1/16 of it, a multiple of
+    :data:`BUFFER_BYTES` between it and :data:`MAX_BUFFER_BYTES`."""
+    return min(MAX_BUFFER_BYTES, max(BUFFER_BYTES, nbytes // 16 // BUFFER_BYTES * BUFFER_BYTES))
+
+
 def open_for_tensors(path: Path, nbytes: int) -> DurableFile:
     """A new durable file at ``path`` for about ``nbytes`` bytes of tensor data: a
-    :class:`DirectFile` inside :func:`direct_writes` for ``nbytes >= MIN_BYTES``, else a buffered
-    :class:`DurableFile`. Raises ``OSError`` from the open."""
+    :class:`DirectFile` with :func:`buffer_bytes_for` buffers inside :func:`direct_writes` for
+    ``nbytes >= MIN_BYTES``, else a buffered :class:`DurableFile`. Raises ``OSError`` from the open."""
     if nbytes >= MIN_BYTES and _ALLOWED.get():
-        return DirectFile(path)
+        return DirectFile(path, buffer_bytes=buffer_bytes_for(nbytes))
     return DurableFile(path)
 
 
@@ -104,7 +117,9 @@ class DirectFile(DurableFile):
     thread), the truncation or the fsync (e.g. ENOSPC).
     """
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, buffer_bytes: int | None = None):
+        """``buffer_bytes``: bytes per aligned buffer, a multiple of :data:`ALIGN` (default
+        :data:`BUFFER_BYTES`); :data:`BUFFERS` of them are mapped while the file is open."""
         path = Path(path)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
@@ -115,7 +130,7 @@ class DirectFile(DurableFile):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             self.direct = False
         super().__init__(path, fd=fd)
-        self._chunk = BUFFER_BYTES
+        self._chunk = buffer_bytes or BUFFER_BYTES
         self._current = 0
         self._fill = 0  # bytes in the current buffer
         self._offset = 0  # file offset of the current buffer
