@@ -193,11 +193,14 @@ class _Bench:
     def load_files(self, method: str) -> list[Path]:
         """What a load by ``method`` reads: the anchor's files, our checkpoint's directory
         (``LATEST``'s), or DCP's."""
-        if method == "disk":
-            return sorted(self.work.glob("raw-*.bin"))
-        if method == "ours":
-            return [(self.work / "ours" / "LATEST").resolve()]
-        return [self.work / method]
+        found = {
+            "disk": lambda: sorted(self.work.glob("raw-*.bin")),
+            "ours": lambda: [(self.work / "ours" / "LATEST").resolve()],
+            "dcp": lambda: [self.work / "dcp"],
+        }[method]()
+        if not found or not all(p.exists() for p in found):  # reading nothing would warm one method only
+            raise FileNotFoundError(f"the files of the {method} load are missing under {self.work}: {found}")
+        return found
 
     # -- save mode ---------------------------------------------------------------------------
     def save_mode(self) -> dict[str, Any]:

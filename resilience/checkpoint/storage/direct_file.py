@@ -57,7 +57,7 @@ MAX_BUFFER_BYTES = 64 << 20
 1.07 GB file at once, fsync'd; 6 rounds rotating, two A/Bs) 3 buffers of 64 MiB took 1.67 and
 1.74 s against 1.87 and 1.93 s with 16 MiB; 8 MiB x 9 (as many bytes in flight as 64 MiB x 2)
 1.94 s: the size of each request counts, not the bytes in flight. Capped so a file's buffers stay
-under 3/16 of its size and 192 MiB."""
+at most 192 MiB (3/16 of its size from 256 MiB up; the 16 MiB floor's 48 MiB below that)."""
 BUFFERS = 3
 """Aligned buffers per file: one being filled, the others being written (one writer thread each,
 so the disk sees BUFFERS - 1 requests of a rank at once)."""
