@@ -193,11 +193,12 @@ class _Bench:
     def load_files(self, method: str) -> list[Path]:
         """What a load by ``method`` reads: the anchor's files, our checkpoint's directory
         (``LATEST``'s), or DCP's."""
-        found = {
-            "disk": lambda: sorted(self.work.glob("raw-*.bin")),
-            "ours": lambda: [(self.work / "ours" / "LATEST").resolve()],
-            "dcp": lambda: [self.work / "dcp"],
-        }[method]()
+        if method == "disk":
+            found = sorted(self.work.glob("raw-*.bin"))
+        elif method == "ours":
+            found = [(self.work / "ours" / "LATEST").resolve()]
+        else:
+            found = [self.work / method]
         if not found or not all(p.exists() for p in found):  # reading nothing would warm one method only
             raise FileNotFoundError(f"the files of the {method} load are missing under {self.work}: {found}")
         return found

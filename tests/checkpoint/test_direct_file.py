@@ -44,6 +44,10 @@ def test_a_file_gets_a_sixteenth_of_its_size_per_buffer_between_16_and_64_mib(tm
         assert isinstance(out, DirectFile) and all(len(b) == 64 * mib for b in out._buffers)
     finally:
         out.close()
+    for bad in (0, 1000, -4096):
+        with pytest.raises(ValueError, match="multiple of 4096"):
+            DirectFile(tmp_path / "bad", buffer_bytes=bad)
+    assert not (tmp_path / "bad").exists()  # refused before the file was created
 
 
 def _filesystem(path: Path) -> str:

@@ -12,9 +12,9 @@ DeepSpeed's FastPersist writes checkpoints the same way.
 
 :class:`DirectFile` is a :class:`~resilience.checkpoint.storage.durable.DurableFile` (digested
 as written, fsync'd on close or in a batch) whose bytes go through :data:`BUFFERS` page-aligned
-buffers of 16-64 MiB (:func:`buffer_bytes_for`, by the file's size): the caller's thread copies into one (``memmove``, the GIL
-released) and digests it while it is hot in cache, writer threads ``pwrite`` the others at
-aligned file offsets. The last buffer is written padded to :data:`ALIGN` and the file truncated
+buffers of 16-64 MiB (:func:`buffer_bytes_for`, by the file's size): the caller's thread copies
+into one (``memmove``, the GIL released) and digests it while it is hot in cache, writer threads
+``pwrite`` the others at aligned file offsets. The last buffer is written padded to :data:`ALIGN` and the file truncated
 to its length. Where the filesystem refuses ``O_DIRECT`` (at ``open``, or ``EINVAL`` at a write)
 the same file goes on buffered, so a save never fails for the lack of it. The data is then not
 in the page cache: a later read of the file comes from the disk.
@@ -118,8 +118,15 @@ class DirectFile(DurableFile):
     """
 
     def __init__(self, path: Path | str, buffer_bytes: int | None = None):
-        """``buffer_bytes``: bytes per aligned buffer, a multiple of :data:`ALIGN` (default
-        :data:`BUFFER_BYTES`); :data:`BUFFERS` of them are mapped while the file is open."""
+        """``buffer_bytes``: bytes per aligned buffer, a positive multiple of :data:`ALIGN`
+        (default :data:`BUFFER_BYTES`); :data:`BUFFERS` of them are mapped while the file is open.
+
+        Raises:
+            ValueError: ``buffer_bytes`` is not a positive multiple of :data:`ALIGN` (checked
+                before the file is created).
+        """
+        if buffer_bytes is not None and (buffer_bytes <= 0 or buffer_bytes % ALIGN):
+            raise ValueError(f"DirectFile buffer_bytes={buffer_bytes}: must be a positive multiple of {ALIGN} (O_DIRECT alignment)")
         path = Path(path)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
