@@ -10,6 +10,8 @@ moved one fails there, not silently in a resume.
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,13 +28,45 @@ def local_shape_and_offset(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape and global offsets (elements, per dim) of the block of ``DTensor`` ``t`` this rank
     holds: torch's ``compute_local_shape_and_global_offset`` (``torch.distributed.tensor._utils``;
     ``torch.distributed._tensor._utils`` before 2.5), imported at its first use (a ``DTensor``
-    exists, so its package is loaded already)."""
+    exists, so its package is loaded already).
+
+    Memoized by global shape, mesh, placements and this rank's mesh coordinate, the only inputs
+    torch's function reads: it costs ~40 us a call in torch 2.13 (2.5 us memoized), and a load
+    asks it for every tensor of the model and optimizer more than once (~1,000 calls, ~40 ms of
+    CPU per load of the bench's 201-tensor FSDP2 state, bench/README.md), while a model holds few
+    distinct shapes.
+    Not memoized under torch's ``LocalTensorMode`` (one process playing every rank)."""
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    if _local_tensor_mode():
+        return _compute_local_block(tuple(t.shape), mesh, placements)
+    coordinate = mesh.get_coordinate()
+    return _cached_local_block(tuple(t.shape), mesh, placements, None if coordinate is None else tuple(coordinate))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_local_block(
+    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], coordinate: tuple[int, ...] | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:func:`_compute_local_block`, once per key (``coordinate``: in the key only, so an equal mesh
+    on another rank of the same process, after a new process group, is another entry)."""
+    return _compute_local_block(shape, mesh, placements)
+
+
+def _compute_local_block(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if _PUBLIC_DTENSOR:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     else:  # pragma: no cover - torch < 2.5 only
         from torch.distributed._tensor._utils import compute_local_shape_and_global_offset  # type: ignore[import-not-found, no-redef]
-    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(shape), tuple(offsets)
+    local, offsets = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+    return tuple(local), tuple(offsets)
+
+
+def _local_tensor_mode() -> bool:
+    """Whether torch's ``LocalTensorMode`` (``torch.distributed._local_tensor``, torch >= 2.9) is
+    on: then one process computes every simulated rank's block, and nothing may be memoized."""
+    module = sys.modules.get("torch.distributed._local_tensor")
+    enabled = getattr(module, "enabled_local_tensor_mode", None)
+    return enabled is not None and enabled() is not None
 
 
 def placement_classes() -> tuple[type, type]:
