@@ -10,7 +10,6 @@ moved one fails there, not silently in a resume.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -30,26 +29,38 @@ def local_shape_and_offset(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     ``torch.distributed._tensor._utils`` before 2.5), imported at its first use (a ``DTensor``
     exists, so its package is loaded already).
 
-    Memoized by global shape, mesh, placements and this rank's mesh coordinate, the only inputs
-    torch's function reads: it costs ~40 us a call in torch 2.13 (2.5 us memoized), and a load
-    asks it for every tensor of the model and optimizer more than once (~1,000 calls, ~40 ms of
-    CPU per load of the bench's 201-tensor FSDP2 state, bench/README.md), while a model holds few
-    distinct shapes.
-    Not memoized under torch's ``LocalTensorMode`` (one process playing every rank)."""
+    Memoized by the values torch's function reads (torch 2.13): the global shape, the mesh's
+    shape, this rank's mesh coordinate and the ``Shard``-like placements (dim, split factor); not
+    the mesh object, so no mesh or process group is kept alive. It costs ~40 us a call (~4 us
+    memoized), and a load asks it for every tensor of the model and optimizer more than once
+    (~1,000 calls, ~40 ms of CPU per load of the bench's 201-tensor FSDP2 state, bench/README.md),
+    while a model holds few distinct shapes. Not memoized under torch's ``LocalTensorMode`` (one
+    process playing every rank) or a fake mode (tracing: symbolic coordinates), nor for a key that
+    cannot be hashed (symbolic shapes)."""
     mesh, placements = t.device_mesh, tuple(t.placements)
-    if _local_tensor_mode():
-        return _compute_local_block(tuple(t.shape), mesh, placements)
     coordinate = mesh.get_coordinate()
-    return _cached_local_block(tuple(t.shape), mesh, placements, None if coordinate is None else tuple(coordinate))
+    if _tracing_or_local():
+        return _compute_local_block(tuple(t.shape), mesh, placements)
+    key = (tuple(t.shape), tuple(mesh.shape), None if coordinate is None else tuple(coordinate), tuple(_placement_key(p) for p in placements))
+    try:
+        found = _LOCAL_BLOCKS.get(key)
+    except TypeError:  # a SymInt in the shape or coordinate
+        return _compute_local_block(tuple(t.shape), mesh, placements)
+    if found is None:
+        if len(_LOCAL_BLOCKS) >= _LOCAL_BLOCKS_MAX:
+            _LOCAL_BLOCKS.clear()
+        found = _LOCAL_BLOCKS[key] = _compute_local_block(tuple(t.shape), mesh, placements)
+    return found
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_local_block(
-    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], coordinate: tuple[int, ...] | None
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """:func:`_compute_local_block`, once per key (``coordinate``: in the key only, so an equal mesh
-    on another rank of the same process, after a new process group, is another entry)."""
-    return _compute_local_block(shape, mesh, placements)
+_LOCAL_BLOCKS: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+_LOCAL_BLOCKS_MAX = 4096  # keys; cleared when full (a model holds far fewer distinct ones)
+
+
+def _placement_key(p: Any) -> tuple[Any, ...]:
+    """What torch's function reads of a placement: its class and, for ``Shard``/``_StridedShard``,
+    the dim and split factor (``Replicate``/``Partial`` are skipped by it, their data unread)."""
+    return (type(p), getattr(p, "dim", None), getattr(p, "split_factor", None))
 
 
 def _compute_local_block(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -61,12 +72,16 @@ def _compute_local_block(shape: tuple[int, ...], mesh: Any, placements: tuple[An
     return tuple(local), tuple(offsets)
 
 
-def _local_tensor_mode() -> bool:
-    """Whether torch's ``LocalTensorMode`` (``torch.distributed._local_tensor``, torch >= 2.9) is
-    on: then one process computes every simulated rank's block, and nothing may be memoized."""
+def _tracing_or_local() -> bool:
+    """Whether torch's ``LocalTensorMode`` (``torch.distributed._local_tensor``, torch >= 2.9: one
+    process computes every simulated rank's block) or a fake tensor mode (tracing) is on: then
+    nothing may be memoized."""
     module = sys.modules.get("torch.distributed._local_tensor")
     enabled = getattr(module, "enabled_local_tensor_mode", None)
-    return enabled is not None and enabled() is not None
+    if enabled is not None and enabled() is not None:
+        return True
+    fake = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)  # an active FakeTensorMode
+    return fake is not None and torch._C._get_dispatch_mode(fake) is not None
 
 
 def placement_classes() -> tuple[type, type]:
