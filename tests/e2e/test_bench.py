@@ -397,3 +397,41 @@ def test_quick_agreement_bench_measures_a_gloo_hop_and_models_both_schemes_at_sc
         assert flat["round_s"]["ci_low"] <= flat["round_s"]["median"] <= flat["round_s"]["ci_high"]
         assert grouped["round_s"]["median"] < flat["round_s"]["median"] / 7  # 8 per node: ~8x fewer hops
     assert any(line.startswith("| 8192 | node_groups |") for line in proc.stdout.splitlines()), proc.stdout
+
+
+def test_versus_pairs_head_and_base_by_round_and_calls_a_whole_interval_above_one_slower():
+    from bench.versus import summarize
+
+    def row(save_s: float, base_save_s: float) -> dict:
+        anchors = {"disk_write_s": 2.0, "disk_read_s": 2.0, "memcpy_s": 0.5, "load_s": 1.0, "async_blocked_s": 0.5}
+        return {"head": {**anchors, "save_s": save_s}, "base": {**anchors, "save_s": base_save_s}}
+
+    slower = summarize([row(1.5 + i / 100, 1.0) for i in range(8)])
+    assert slower["save_s"]["verdict"] == "slower" and slower["save_s"]["head_over_base"]["ci_low"] > 1
+    assert slower["save_s"]["head_vs_anchor"]["median"] < slower["save_s"]["base_vs_anchor"]["median"] == 2.0
+    assert slower["load_s"]["verdict"] == "level"  # every ratio exactly 1: the interval holds 1
+    faster = summarize([row(0.5, 1.0 + i / 100) for i in range(8)])["save_s"]
+    assert faster["verdict"] == "faster" and faster["head_over_base"]["ci_high"] < 1
+    noisy = summarize([row(0.8 if i % 2 else 1.25, 1.0) for i in range(8)])["save_s"]
+    assert noisy["verdict"] == "level"
+
+
+def test_quick_versus_runs_each_version_in_its_own_process_and_names_a_bad_base(tmp_path):
+    out = tmp_path / "versus.json"
+    quick = ["--size", "4M", "--rounds", "2", "--async-rounds", "1"]
+    cmd = [sys.executable, "-m", "bench.versus", "HEAD", *quick, "--dir", str(tmp_path / "work"), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 1), f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    doc = json.loads(out.read_text())
+    assert len(doc["rounds"]) == 2 and doc["size"] == 4 * 2**20
+    for row in doc["rounds"]:
+        assert Path(row["head"]["resilience"]) == REPO / "resilience"
+        assert Path(row["base"]["resilience"]).parts[-2:] == ("base", "resilience") and not Path(row["base"]["resilience"]).exists()  # extracted, then removed
+        for version in row.values():
+            assert version["state_bytes"] > 3 * 4 * 2**20 * 0.9  # weights + Adam's two moments
+            assert all(version[k] > 0 for k in ("save_s", "load_s", "async_blocked_s", "disk_write_s", "disk_read_s", "memcpy_s"))
+    assert set(doc["summary"]) == {"save_s", "load_s", "async_blocked_s"}
+    assert proc.stdout.count("versus round") == 2 and "| save_s |" in proc.stdout
+    assert not list((tmp_path / "work").iterdir())  # the scratch directory is left empty
+    bad = subprocess.run([sys.executable, "-m", "bench.versus", "no-such-rev"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "base: git rev-parse 'no-such-rev' failed" in bad.stderr
