@@ -165,7 +165,7 @@ def _table(summary: dict[str, Any], base: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.versus", description=__doc__.splitlines()[0])
     parser.add_argument("base", nargs="?", help="the commit to compare with (anything git rev-parse takes)")
-    parser.add_argument("--rounds", type=int, default=8, help="rounds, each one process per version (default 8: a 93 %% interval)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds, each one process per version (default 8; below 9 rounds the interval is their range)")
     parser.add_argument("--size", default="1G", help="fp32 model size, bytes or with K/M/G (default 1G; the Adam state adds 2x)")
     parser.add_argument("--async-rounds", type=int, default=3, help="async saves timed per process (default 3; their median counts)")
     parser.add_argument("--load", action="store_true", help="run beside one CPU-busy process")
