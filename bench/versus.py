@@ -7,7 +7,7 @@
 "No worse than the last run" compared across two full ``make bench`` runs reads the machine as much
 as the code: the same code's ``load_vs_disk`` read 4.54 on one VM and 1.30 on the next. This bench
 times both versions in the same run instead. Each round starts one process per version (in turn
-order: base first in even rounds, head first in odd ones), which builds the same state and times,
+order: the base first in rounds 1, 3, 5, ..., the head in the others), which builds the same state and times,
 cold and fsync'd like ``python -m bench``: the sync save (``Checkpointer.save``), the load of it
 (``Checkpointer.load``, every digest checked) and the async save's blocked time (median of
 ``--async-rounds``), each next to its anchor in the same process (the raw write + fsync, the raw
@@ -48,10 +48,15 @@ PAIRS = {"save_s": "disk_write_s", "load_s": "disk_read_s", "async_blocked_s": "
 # a rate (anchor seconds / ours: ``save_vs_disk``), the async save as a time (ours / anchor:
 # ``async_block_vs_memcpy``).
 AS_TIME = {"async_blocked_s"}
+# An interval of fewer rounds covers less (5 rounds: 94 %, 2: 50 %): its verdict is "undecided".
+VERDICT_CONFIDENCE = 0.95
 
 
 def _worker(work: Path, size: int, async_rounds: int) -> dict[str, Any]:
     """One version's figures, in this process (``resilience`` is whatever ``sys.path`` finds)."""
+    # The venv's editable install appends a finder that maps any missing ``resilience.<name>`` to
+    # the working tree: without it, a module the base lacks fails to import instead of mixing code.
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
     import torch
 
     import resilience
@@ -102,6 +107,10 @@ def _worker(work: Path, size: int, async_rounds: int) -> dict[str, Any]:
         _prune(async_root)
         drop_cache([async_root])
     remove(async_root)
+    out["staging_faulted"] = bool(buffers)  # False: this version's staging buffers were not touched before each save
+    out["modules"] = sorted(
+        {str(Path(m.__file__).resolve()) for n, m in sys.modules.items() if n.split(".")[0] == "resilience" and getattr(m, "__file__", None)}
+    )
     out["async_blocked_s"] = sorted(blocked[1:])[len(blocked[1:]) // 2]
     out["memcpy_s"] = sorted(memcpy[1:])[len(memcpy[1:]) // 2]
     return out
@@ -115,13 +124,16 @@ def _extract(rev: str, into: Path) -> Path:
     tar_path = into / "base.tar"
     tar_path.write_bytes(archive.stdout)
     with tarfile.open(tar_path) as tar:
-        tar.extractall(into / "base", filter="data")
+        try:
+            tar.extractall(into / "base", filter="data")
+        except TypeError:  # Python before 3.10.12 / 3.11.4: no filters (the archive is this repository's own)
+            tar.extractall(into / "base")
     tar_path.unlink()
     return into / "base"
 
 
 def _run_worker(path_first: Path, work: Path, size: int, async_rounds: int, timeout_s: float) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path_first), str(REPO)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(path_first), str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     cmd = [sys.executable, "-m", "bench.versus", "--worker", "--dir", str(work), "--size", str(size), "--async-rounds", str(async_rounds)]
     proc = subprocess.run(cmd, env=env, cwd=str(path_first), capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode:
@@ -140,7 +152,10 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     for op, anchor in PAIRS.items():
         ratio = median_interval([r["head"][op] / r["base"][op] for r in rounds])
         lo, hi = ratio["ci_low"], ratio["ci_high"]
-        verdict = "faster" if hi is not None and hi < 1 else "slower" if lo is not None and lo > 1 else "level"
+        if (ratio["confidence"] or 0) < VERDICT_CONFIDENCE:
+            verdict = "undecided"
+        else:
+            verdict = "faster" if hi < 1 else "slower" if lo > 1 else "level"
         out[op] = {
             "head_over_base": ratio,
             "verdict": verdict,
@@ -156,16 +171,23 @@ def _table(summary: dict[str, Any], base: str) -> str:
             return f"{m['median']:.2f}"
         return f"{m['median']:.2f} [{m['ci_low']:.2f}, {m['ci_high']:.2f}]"
 
-    lines = [f"| operation | head / {base} seconds (paired) | verdict | {base} vs its anchor | head vs its anchor |", "|---|---|---|---|---|"]
+    lines = [f"| operation | head / {base} seconds (paired) | coverage | verdict | {base} vs its anchor | head vs its anchor |", "|---|---|---|---|---|---|"]
     for op, s in summary.items():
-        lines.append(f"| {op} | {ci(s['head_over_base'])} | {s['verdict']} | {ci(s['base_vs_anchor'])} | {ci(s['head_vs_anchor'])} |")
+        paired = s["head_over_base"]
+        coverage = f"{paired['confidence']:.0%}" if paired["confidence"] is not None else "-"
+        lines.append(f"| {op} | {ci(paired)} | {coverage} | {s['verdict']} | {ci(s['base_vs_anchor'])} | {ci(s['head_vs_anchor'])} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.versus", description=__doc__.splitlines()[0])
     parser.add_argument("base", nargs="?", help="the commit to compare with (anything git rev-parse takes)")
-    parser.add_argument("--rounds", type=int, default=8, help="rounds, each one process per version (default 8; below 9 rounds the interval is their range)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=8,
+        help="rounds, one process per version each, in alternating order (default 8; below 9 the interval is their range, below 6 under 95 %%: undecided)",
+    )
     parser.add_argument("--size", default="1G", help="fp32 model size, bytes or with K/M/G (default 1G; the Adam state adds 2x)")
     parser.add_argument("--async-rounds", type=int, default=3, help="async saves timed per process (default 3; their median counts)")
     parser.add_argument("--load", action="store_true", help="run beside one CPU-busy process")
@@ -185,14 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the base commit is required (for example: python -m bench.versus fa22db3)")
     if args.rounds < 2 or args.async_rounds < 1:
         parser.error(f"--rounds must be >= 2 and --async-rounds >= 1, got {args.rounds} and {args.async_rounds}")
-    rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], capture_output=True, text=True, check=False)
+    rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--short", f"{args.base}^{{commit}}"], capture_output=True, text=True, check=False)
     if rev.returncode:
         parser.error(f"base: git rev-parse {args.base!r} failed: {rev.stderr.strip()}")
     base = rev.stdout.strip()
     head = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True, check=False).stdout.strip()
 
-    Path(args.dir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="versus-", dir=args.dir) as tmp:
+    root = Path(args.dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="versus-", dir=root) as tmp:
         tmp_path = Path(tmp)
         paths = {"base": _extract(base, tmp_path), "head": REPO}
         rounds: list[dict[str, dict[str, Any]]] = []
@@ -204,9 +227,12 @@ def main(argv: list[str] | None = None) -> int:
                     work = tmp_path / f"work-{name}"
                     work.mkdir(exist_ok=True)
                     row[name] = _run_worker(paths[name], work, size, args.async_rounds, args.timeout)
-                    want = paths[name] / "resilience"
-                    if Path(row[name]["resilience"]) != want.resolve():
-                        raise RuntimeError(f"the {name} worker imported {row[name]['resilience']}, not {want}")
+                    want = (paths[name] / "resilience").resolve()
+                    stray = [m for m in row[name]["modules"] if not Path(m).is_relative_to(want)]
+                    if Path(row[name]["resilience"]) != want or stray:
+                        raise RuntimeError(f"the {name} worker imported {row[name]['resilience']} and {stray[:3]}, not only {want}")
+                if row["base"]["staging_faulted"] != row["head"]["staging_faulted"]:
+                    print("versus: WARNING: only one version's async staging buffers were touched before its saves (a private attribute moved)", flush=True)
                 rounds.append(row)
                 parts = "  ".join(f"{op} {row['head'][op] / row['base'][op]:.2f}" for op in PAIRS)
                 print(f"versus round {r + 1}/{args.rounds}: head/{base} {parts}", flush=True)

@@ -414,6 +414,8 @@ def test_versus_pairs_head_and_base_by_round_and_calls_a_whole_interval_above_on
     assert faster["verdict"] == "faster" and faster["head_over_base"]["ci_high"] < 1
     noisy = summarize([row(0.8 if i % 2 else 1.25, 1.0) for i in range(8)])["save_s"]
     assert noisy["verdict"] == "level"
+    few = summarize([row(1.5, 1.0) for _ in range(5)])["save_s"]  # 5 rounds: a 94 % interval
+    assert few["verdict"] == "undecided" and few["head_over_base"]["ci_low"] > 1
 
 
 def test_quick_versus_runs_each_version_in_its_own_process_and_names_a_bad_base(tmp_path):
@@ -421,12 +423,16 @@ def test_quick_versus_runs_each_version_in_its_own_process_and_names_a_bad_base(
     quick = ["--size", "4M", "--rounds", "2", "--async-rounds", "1"]
     cmd = [sys.executable, "-m", "bench.versus", "HEAD", *quick, "--dir", str(tmp_path / "work"), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode in (0, 1), f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
     doc = json.loads(out.read_text())
     assert len(doc["rounds"]) == 2 and doc["size"] == 4 * 2**20
+    assert {s["verdict"] for s in doc["summary"].values()} == {"undecided"}  # 2 rounds decide nothing
     for row in doc["rounds"]:
         assert Path(row["head"]["resilience"]) == REPO / "resilience"
-        assert Path(row["base"]["resilience"]).parts[-2:] == ("base", "resilience") and not Path(row["base"]["resilience"]).exists()  # extracted, then removed
+        base_package = Path(row["base"]["resilience"])
+        assert base_package.parts[-2:] == ("base", "resilience") and not base_package.exists()  # extracted, then removed
+        assert all(Path(m).is_relative_to(base_package) for m in row["base"]["modules"]) and len(row["base"]["modules"]) > 5
+        assert row["base"]["staging_faulted"] and row["head"]["staging_faulted"]
         for version in row.values():
             assert version["state_bytes"] > 3 * 4 * 2**20 * 0.9  # weights + Adam's two moments
             assert all(version[k] > 0 for k in ("save_s", "load_s", "async_blocked_s", "disk_write_s", "disk_read_s", "memcpy_s"))
@@ -435,3 +441,5 @@ def test_quick_versus_runs_each_version_in_its_own_process_and_names_a_bad_base(
     assert not list((tmp_path / "work").iterdir())  # the scratch directory is left empty
     bad = subprocess.run([sys.executable, "-m", "bench.versus", "no-such-rev"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "base: git rev-parse 'no-such-rev' failed" in bad.stderr
+    tree = subprocess.run([sys.executable, "-m", "bench.versus", "HEAD:resilience"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert tree.returncode == 2 and "git rev-parse 'HEAD:resilience' failed" in tree.stderr  # a tree is no commit
