@@ -28,6 +28,7 @@ Writes ``bench/results/versus.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -61,7 +62,7 @@ def _worker(work: Path, size: int, async_rounds: int) -> dict[str, Any]:
 
     import resilience
     from bench.async_save import _prune, fault_in
-    from bench.common import build_state, drop_cache, remove, state_tensors, timed, touch_memory
+    from bench.common import build_state, drop_cache, median, remove, state_tensors, timed, touch_memory
     from bench.storage import find_ours, load_ours, ours_checkpointer, read_raw, save_ours, write_raw
     from resilience.checkpoint import TrainingState
 
@@ -111,8 +112,7 @@ def _worker(work: Path, size: int, async_rounds: int) -> dict[str, Any]:
     out["modules"] = sorted(
         {str(Path(m.__file__).resolve()) for n, m in sys.modules.items() if n.split(".")[0] == "resilience" and getattr(m, "__file__", None)}
     )
-    out["async_blocked_s"] = sorted(blocked[1:])[len(blocked[1:]) // 2]
-    out["memcpy_s"] = sorted(memcpy[1:])[len(memcpy[1:]) // 2]
+    out["async_blocked_s"], out["memcpy_s"] = median(blocked[1:]), median(memcpy[1:])
     return out
 
 
@@ -121,14 +121,11 @@ def _extract(rev: str, into: Path) -> Path:
     archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev, "resilience"], capture_output=True, check=False)
     if archive.returncode:
         raise SystemExit(f"bench.versus: git archive {rev!r} failed: {archive.stderr.decode().strip()}")
-    tar_path = into / "base.tar"
-    tar_path.write_bytes(archive.stdout)
-    with tarfile.open(tar_path) as tar:
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         try:
             tar.extractall(into / "base", filter="data")
         except TypeError:  # Python before 3.10.12 / 3.11.4: no filters (the archive is this repository's own)
             tar.extractall(into / "base")
-    tar_path.unlink()
     return into / "base"
 
 
